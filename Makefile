@@ -1,0 +1,33 @@
+# The README's two commands: `make test` and `make bench`. Each creates or reuses .venv,
+# installs the pinned dependencies, builds fastckpt._C in place (ninja: only changed files
+# recompile), then runs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
+export TORCH_CUDA_ARCH_LIST ?= 9.0
+
+.PHONY: test bench build info lint clean
+
+$(VENV)/.deps: requirements.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade-strategy only-if-needed -r requirements.txt
+	touch $@
+
+build: $(VENV)/.deps
+	$(PY) setup.py --quiet build_ext --inplace
+
+test: build
+	$(PY) -m pytest -q
+
+bench: build
+	$(PY) -m benchmarks
+
+info: build
+	$(PY) -m fastckpt.info
+
+lint: $(VENV)/.deps
+	$(VENV)/bin/ruff check .
+
+clean:
+	rm -rf build fastckpt/*.so *.egg-info

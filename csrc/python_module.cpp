@@ -1,0 +1,16 @@
+// The Python module fastckpt._C. Operators register through TORCH_LIBRARY when the library
+// loads; this file only adds build facts that fastckpt.info and the loader check.
+#include <pybind11/pybind11.h>
+
+#ifdef FASTCKPT_WITH_CUDA
+constexpr bool kWithCuda = true;
+#else
+constexpr bool kWithCuda = false;
+#endif
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "fastckpt compiled kernels";
+  m.attr("built_with_torch") = FASTCKPT_TORCH_VERSION;
+  m.attr("with_cuda") = kWithCuda;
+  m.attr("cuda_archs") = FASTCKPT_CUDA_ARCHS;
+}

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One prepared check for a machine with an NVIDIA GPU and the CUDA toolkit (the device tool's
+# H200 image: torch preinstalled, nothing downloadable). Builds fastckpt._C against that
+# machine's torch for arch 9.0, runs the cuda-marked tests and the GPU benchmark, and writes
+# logs and results into the folder given as $1. Usage: scripts/gpu_check.sh "$OUT"
+set -uo pipefail
+out="${1:?usage: scripts/gpu_check.sh OUTPUT_DIR}"
+mkdir -p "$out"
+cd "$(dirname "$0")/.."
+export FASTCKPT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
+export PYTHONUNBUFFERED=1
+py="${PYTHON:-python3}"
+status=()
+
+step() {  # step NAME TIMEOUT_S CMD...: run with a deadline, log to $out/NAME.log, record its status
+  local name=$1 limit=$2
+  shift 2
+  local t0=$(date +%s)
+  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  local rc=$?
+  status+=("$name: rc=$rc, $(( $(date +%s) - t0 )) s")
+  return $rc
+}
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; "$py" -c "import torch; print(torch.__version__, torch.version.cuda)"; git rev-parse HEAD 2>/dev/null; } >"$out/env.log" 2>&1
+if step build 240 "$py" setup.py build_ext --inplace; then
+  step info 30 "$py" -m fastckpt.info
+  step tests 150 "$py" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/tests.xml"
+  step bench 120 "$py" -m benchmarks --device cuda --out "$out"
+fi
+
+echo "== gpu_check summary =="
+cat "$out/env.log"
+printf '%s\n' "${status[@]}"
+[ -f "$out/tests.log" ] && tail -n 3 "$out/tests.log"
+[ -f "$out/build.log" ] && grep -m5 -E "error|FAILED" "$out/build.log"
+true

@@ -1,0 +1,82 @@
+"""Build fastckpt._C: C++ kernels always, CUDA kernels when torch is a CUDA build and nvcc exists.
+
+Environment switches:
+  FASTCKPT_CUDA=1   force CUDA kernels (fail loudly if they cannot be built)
+  FASTCKPT_CUDA=0   skip CUDA kernels
+  TORCH_CUDA_ARCH_LIST   GPU architectures (default "9.0")
+  MAX_JOBS          parallel compile jobs (read by torch's ninja builder)
+"""
+
+import glob
+import os
+import shutil
+import sys
+
+from setuptools import find_packages, setup
+
+# torch guesses CUDA_HOME from the nvcc on PATH; a wrapper script there makes it guess wrong.
+if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+
+import torch  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+
+def use_cuda() -> bool:
+    """Decide from torch.version.cuda and nvcc, never from the presence of a GPU."""
+    switch = os.environ.get("FASTCKPT_CUDA", "")
+    nvcc = CUDA_HOME and os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
+    available = torch.version.cuda is not None and bool(nvcc or shutil.which("nvcc"))
+    if switch == "0":
+        return False
+    if switch == "1" and not available:
+        sys.exit(
+            f"FASTCKPT_CUDA=1 but CUDA kernels cannot be built: torch.version.cuda={torch.version.cuda}, "
+            f"CUDA_HOME={CUDA_HOME}. Install a CUDA build of torch and the CUDA toolkit, or set FASTCKPT_CUDA=0."
+        )
+    return available
+
+
+def cuda_wheel_includes() -> list[str]:
+    """Headers shipped in nvidia-* wheels (torch's CUDA headers need cusparse.h from there)."""
+    try:
+        import nvidia
+    except ImportError:
+        return []
+    return sorted(d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, "*", "include")))
+
+
+with_cuda = use_cuda()
+sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+macros = [
+    ("FASTCKPT_TORCH_VERSION", f'"{torch.__version__}"'),
+    ("FASTCKPT_CUDA_ARCHS", f'"{os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""}"'),
+]
+cxx_flags = ["-O3"]
+if with_cuda:
+    sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
+    macros.append(("FASTCKPT_WITH_CUDA", "1"))
+    extension = CUDAExtension(
+        "fastckpt._C",
+        sources,
+        include_dirs=[os.path.abspath("csrc"), *cuda_wheel_includes()],
+        define_macros=macros,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+    )
+else:
+    extension = CppExtension(
+        "fastckpt._C",
+        sources,
+        include_dirs=[os.path.abspath("csrc")],
+        define_macros=macros,
+        extra_compile_args={"cxx": cxx_flags},
+    )
+
+setup(
+    name="fastckpt",
+    version="0.1.0",
+    packages=find_packages(include=["fastckpt", "fastckpt.*"]),
+    ext_modules=[extension],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+)

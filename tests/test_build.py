@@ -1,0 +1,57 @@
+"""The compiled extension is present, registers its ops per device, and import stays CUDA-free."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import _extension, info
+
+
+def test_extension_loaded_for_this_torch():
+    assert _extension.load_error() is None
+    assert _extension.extension().built_with_torch == torch.__version__
+
+
+@pytest.mark.parametrize("op", ["fastckpt::pack_bits", "fastckpt::unpack_bits"])
+def test_ops_have_cpu_kernels_and_cuda_kernels_when_compiled(op):
+    kernels = info.kernels_by_op()
+    assert op in kernels
+    assert kernels[op]["CPU"]
+    assert kernels[op]["CUDA"] == _extension.extension().with_cuda
+
+
+def test_every_registered_op_has_a_cpu_kernel():
+    assert info.registered_ops(), "no fastckpt ops registered"
+    assert all(keys["CPU"] for keys in info.kernels_by_op().values())
+
+
+def test_import_does_not_initialise_cuda():
+    code = "import torch, fastckpt, fastckpt.ops; assert not torch.cuda.is_initialized(), 'CUDA initialised'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_info_reports_versions_and_kernels():
+    text = info.report()
+    assert fastckpt.__version__ in text and torch.__version__ in text
+    assert "fastckpt::pack_bits" in text
+
+
+def test_mismatched_build_is_reported_with_rebuild_command(monkeypatch):
+    class StaleBuild:
+        built_with_torch = "1.0.0"
+
+    monkeypatch.setattr(_extension.importlib, "import_module", lambda name: StaleBuild)
+    monkeypatch.setattr(_extension, "_module", None)
+    _extension._load()
+    try:
+        message = _extension.load_error()
+        assert "built for torch 1.0.0" in message and "make build" in message
+        with pytest.raises(ImportError, match="pip install --no-build-isolation"):
+            _extension.extension()
+    finally:
+        monkeypatch.undo()
+        _extension._load()
+    assert _extension.load_error() is None
