@@ -1,6 +1,9 @@
 // The Python module fastckpt._C. Operators register through TORCH_LIBRARY when the library
-// loads; this file only adds build facts that fastckpt.info and the loader check.
+// loads; this file adds the build facts that fastckpt.info and the loader check, and the
+// reentrant checkpoint Function.
 #include <pybind11/pybind11.h>
+
+#include "autograd/reentrant_checkpoint.h"
 
 #ifdef FASTCKPT_WITH_CUDA
 constexpr bool kWithCuda = true;
@@ -13,4 +16,5 @@ PYBIND11_MODULE(_C, m) {
   m.attr("built_with_torch") = FASTCKPT_TORCH_VERSION;
   m.attr("with_cuda") = kWithCuda;
   m.attr("cuda_archs") = FASTCKPT_CUDA_ARCHS;
+  fastckpt::bind_reentrant_checkpoint(m);
 }

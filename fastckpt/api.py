@@ -1,0 +1,174 @@
+"""The public entry points: checkpoint and checkpoint_sequential (drop-ins for torch.utils.checkpoint)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import noop_context_fn
+
+from fastckpt.engine.non_reentrant import DETERMINISM_CHECKS, checkpoint_non_reentrant
+from fastckpt.engine.reentrant import checkpoint_reentrant
+from fastckpt.policy import Policy, resolve
+
+
+def checkpoint(
+    function: Callable[..., Any] | None = None,
+    *args: Any,
+    use_reentrant: bool | None = None,
+    preserve_rng_state: bool = True,
+    context_fn: Callable[[], tuple[Any, Any]] = noop_context_fn,
+    determinism_check: str = "default",
+    debug: bool = False,
+    early_stop: bool = True,
+    policy: str | Policy | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Checkpoint `function(*args, **kwargs)`; torch.utils.checkpoint.checkpoint's contract plus `policy`.
+
+    use_reentrant=None means non-reentrant (no warning). Called without a function, returns a
+    decorator: `checkpoint(use_reentrant=False, policy="int8")(fn)(*args)`.
+    """
+    options = dict(
+        use_reentrant=use_reentrant,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        policy=policy,
+    )
+    if function is None and not args:
+        if kwargs:
+            raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+        return lambda fn: _Checkpointed(fn, options)
+    return _run(function, args, kwargs, **options)
+
+
+class _Checkpointed:
+    """The curried form: a callable (and method decorator) that checkpoints each call."""
+
+    def __init__(self, function: Callable[..., Any], options: dict[str, Any]) -> None:
+        self.function = function
+        self.options = options
+        functools.update_wrapper(self, function, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _run(self.function, args, kwargs, **self.options)
+
+    def __get__(self, instance: Any, owner: type | None = None) -> Any:
+        bind = getattr(self.function, "__get__", None)
+        if instance is None or bind is None:
+            return self
+        return _Checkpointed(bind(instance, owner), self.options)
+
+
+def _run(
+    function: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    use_reentrant: bool | None,
+    preserve_rng_state: bool,
+    context_fn: Callable[[], tuple[Any, Any]],
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+    policy: str | Policy | None,
+) -> Any:
+    if not callable(function):
+        raise TypeError(f"checkpoint: `function` must be callable (a module or function), got {type(function)}")
+    if determinism_check not in DETERMINISM_CHECKS:
+        raise ValueError(
+            f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, but got {determinism_check!r}"
+        )
+    resolved = resolve(policy)
+    if not resolved.recompute:
+        return _run_stored(function, args, kwargs, resolved)
+    input_hooks = _input_hooks(resolved)
+    if use_reentrant:
+        if kwargs:
+            raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+        if context_fn is not noop_context_fn or debug is not False:
+            raise ValueError("Passing `context_fn` or `debug` is only supported when use_reentrant=False.")
+        return checkpoint_reentrant(function, args, preserve_rng_state=preserve_rng_state, input_hooks=input_hooks)
+    return checkpoint_non_reentrant(
+        function,
+        args,
+        kwargs,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        determinism_check=determinism_check,
+        debug=debug,
+        early_stop=early_stop,
+        input_hooks=input_hooks,
+    )
+
+
+def _storage_unavailable(policy: Policy) -> ValueError:
+    return ValueError(
+        f"policy={str(policy)!r}: compressed and offloaded storage is not in this build of fastckpt yet; "
+        "use policy='recompute' (stock checkpoint) or 'save' (plain storage)"
+    )
+
+
+def _input_hooks(policy: Policy) -> Callable[[], Any] | None:
+    """Saved-tensor hooks through which a recompute policy stores the segment's inputs (None: plainly)."""
+    if policy.is_stock:
+        return None
+    raise _storage_unavailable(policy)
+
+
+def _run_stored(function: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy) -> Any:
+    """A storage policy: no recompute; every tensor saved for backward goes through the policy's storage."""
+    if policy.is_plain_storage:
+        return function(*args, **kwargs)
+    raise _storage_unavailable(policy)
+
+
+def checkpoint_sequential(
+    functions: torch.nn.Sequential | Iterable[Callable[[Any], Any]],
+    segments: int,
+    input: Any,
+    use_reentrant: bool | None = None,
+    policy: str | Policy | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Split `functions` into `segments` chunks and checkpoint each but the last (torch's layout)."""
+    preserve_rng_state = kwargs.pop("preserve_rng_state", True)
+    if kwargs:
+        raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
+    if isinstance(functions, torch.nn.Sequential):
+        functions = list(functions.children())
+    else:
+        functions = list(functions)
+    if not isinstance(segments, int) or isinstance(segments, bool):
+        raise TypeError(f"checkpoint_sequential: `segments` must be an int, got {type(segments)}")
+    if not 1 <= segments <= len(functions):
+        raise ValueError(
+            f"checkpoint_sequential: `segments` must be between 1 and the number of modules ({len(functions)}), "
+            f"got {segments}"
+        )
+
+    def run(start: int, end: int) -> Callable[[Any], Any]:
+        def forward(x: Any) -> Any:
+            for j in range(start, end):
+                x = functions[j](x)
+            return x
+
+        return forward
+
+    size = len(functions) // segments
+    start = 0
+    for start in range(0, size * (segments - 1), size):
+        input = checkpoint(
+            run(start, start + size),
+            input,
+            use_reentrant=use_reentrant,
+            preserve_rng_state=preserve_rng_state,
+            policy=policy,
+        )
+    last_start = size * (segments - 1)
+    return run(last_start, len(functions))(input)

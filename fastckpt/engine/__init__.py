@@ -1,0 +1,1 @@
+"""The checkpoint engine: non-reentrant saved-tensor hooks, the reentrant C++ Function, state replay."""

@@ -1,0 +1,291 @@
+"""Non-reentrant checkpoint on saved-tensor hooks.
+
+Forward runs under pack hooks that replace every saved tensor by a small `_Holder`. The first
+unpack in a backward (one graph task) re-runs the segment under recompute hooks that fill the
+holders, in save order, with the recomputed tensors; each is handed out once and then dropped.
+With early stop the recompute is cut off as soon as every live holder is filled.
+"""
+
+from __future__ import annotations
+
+import uuid
+import weakref
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils.checkpoint import CheckpointError
+
+from fastckpt.engine.debug import OpTrace, UnpackErrorCallback
+from fastckpt.engine.replay import ForwardState
+
+DETERMINISM_CHECKS: dict[str, Callable[[torch.Tensor], Any]] = {
+    "default": lambda x: {"shape": x.shape, "dtype": x.dtype, "device": x.device},
+    "none": lambda x: None,
+}
+
+_DEBUG_TIP = (
+    "Tip: pass debug=True to fastckpt.checkpoint (or use torch.utils.checkpoint.set_checkpoint_debug_enabled(True)) "
+    "to see the operators run in forward and in recompute."
+)
+
+
+class _Handle:
+    """Key of one recomputed tensor; weakly held so a freed holder frees its tensor."""
+
+
+class _Holder:
+    """Stands in for one saved tensor; maps graph-task id to the handle of its recomputed value."""
+
+    def __init__(self) -> None:
+        self.handles: dict[Any, _Handle | None] = {}
+
+
+class _StopRecompute(Exception):
+    """Raised from the recompute pack hook once every holder is filled (early stop)."""
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves the segment's tensor inputs as autograd SavedVariables.
+
+    That gives them what any saved tensor gets: version-counter checks at unpack, and the
+    saved-tensor hooks active around the call (save_on_cpu, or a fastckpt storage policy).
+    """
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, *grads):  # never reached: the anchor output is not used by anything
+        raise RuntimeError("fastckpt internal error: the input-saving node was differentiated")
+
+
+class _Frame:
+    """Everything one checkpointed call needs to recompute, per graph task."""
+
+    def __init__(self, recompute_fn: Callable[..., Any], early_stop: bool, metadata_fn, on_unpack_error) -> None:
+        self.recompute_fn = recompute_fn
+        self.early_stop = early_stop
+        self.metadata_fn = metadata_fn
+        self.on_unpack_error: UnpackErrorCallback | None = on_unpack_error
+        self.input_spec: Any = None
+        self.input_leaves: list[Any] = []
+        self.input_saver: Any = None
+        self.weak_holders: list[weakref.ref[_Holder]] = []
+        self.forward_metadata: list[Any] = []
+        self.recomputed: defaultdict[Any, weakref.WeakKeyDictionary] = defaultdict(weakref.WeakKeyDictionary)
+        self.recompute_count: defaultdict[Any, int] = defaultdict(int)
+        self.is_recomputed: defaultdict[Any, bool] = defaultdict(bool)
+        self.forward_completed = False
+        self.ignore_count_mismatch = False
+
+    def save_inputs(self, args: tuple, kwargs: dict) -> None:
+        leaves, self.input_spec = tree_flatten((args, kwargs))
+        tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.input_leaves = [None if i in set(tensor_positions) else leaf for i, leaf in enumerate(leaves)]
+        self.tensor_positions = tensor_positions
+        anchor = torch.empty(0, requires_grad=True)
+        self.input_saver = _SaveInputs.apply(anchor, *(leaves[i] for i in tensor_positions)).grad_fn
+
+    def inputs(self) -> tuple[tuple, dict]:
+        leaves = list(self.input_leaves)
+        for position, tensor in zip(self.tensor_positions, self.input_saver.saved_tensors):
+            leaves[position] = tensor
+        return tree_unflatten(leaves, self.input_spec)
+
+    def check_recomputed(self, gid: Any) -> None:
+        if self.ignore_count_mismatch:
+            return
+        if len(self.weak_holders) != self.recompute_count[gid]:
+            raise CheckpointError(
+                "fastckpt.checkpoint: a different number of tensors was saved during the original forward and the "
+                f"recomputation.\nNumber saved during forward: {len(self.weak_holders)}\n"
+                f"Number saved during recomputation: {self.recompute_count[gid]}\n{_DEBUG_TIP}"
+            )
+        mismatches = []
+        for index, weak_holder in enumerate(self.weak_holders):
+            holder = weak_holder()
+            if holder is None:
+                continue
+            recomputed = self.metadata_fn(self.recomputed[gid][holder.handles[gid]])
+            if recomputed != self.forward_metadata[index]:
+                mismatches.append(
+                    f"tensor at position {index}:\n  saved metadata: {self.forward_metadata[index]}\n"
+                    f"  recomputed metadata: {recomputed}"
+                )
+        if mismatches:
+            raise CheckpointError(
+                "fastckpt.checkpoint: recomputed values for the following tensors have different metadata than "
+                "during the forward pass (shape, dtype or device changed between forward and recompute):\n"
+                + "\n".join(mismatches)
+                + f"\n{_DEBUG_TIP}"
+            )
+
+
+def _graph_task_id() -> Any:
+    group = torch._C._get_graph_exec_group() if hasattr(torch._C, "_get_graph_exec_group") else None
+    if group is not None:
+        return group
+    gid = torch._C._current_graph_task_id()
+    return gid if gid != -1 else uuid.uuid4().int  # unpacked outside backward (e.g. grad_fn._saved_*)
+
+
+class _InternalHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks marked as checkpoint-internal, so selective-checkpoint contexts and nested
+    checkpoints look past them to the user's own hooks (torch's convention for these attributes)."""
+
+    def __init__(self, pack_hook, unpack_hook) -> None:
+        pack_hook._checkpoint_internal = True
+        super().__init__(pack_hook, unpack_hook)
+
+    def __enter__(self):
+        self.pack_hook._user_hooks = _user_hooks_in_scope()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        del self.pack_hook._user_hooks  # a lasting reference would tie user hooks to the graph
+        return super().__exit__(*exc)
+
+
+def _user_hooks_in_scope():
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    hooks = top(False) if top is not None else None
+    while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
+        hooks = getattr(hooks[0], "_user_hooks", None)
+    return hooks
+
+
+def _forward_hooks(frame: _Frame) -> _InternalHooks:
+    def pack(x: torch.Tensor) -> _Holder:
+        holder = _Holder()
+        frame.weak_holders.append(weakref.ref(holder))
+        with torch.no_grad():
+            frame.forward_metadata.append(frame.metadata_fn(x))
+        return holder
+
+    def unpack(holder: _Holder) -> torch.Tensor:
+        gid = _graph_task_id()
+        if not frame.is_recomputed[gid]:
+            args, kwargs = frame.inputs()
+            try:
+                with _recompute_hooks(frame, gid), torch.enable_grad():
+                    frame.recompute_fn(*args, **kwargs)
+            except _StopRecompute:
+                pass
+            frame.is_recomputed[gid] = True
+            frame.check_recomputed(gid)
+        handle = holder.handles.get(gid)
+        if handle is None:
+            raise CheckpointError(
+                "fastckpt.checkpoint: unpack is being triggered for a tensor that was already unpacked once in this "
+                "backward. If you read ctx.saved_tensors in a custom backward, read it only once."
+            )
+        holder.handles[gid] = None
+        return frame.recomputed[gid].pop(handle)  # free on use
+
+    if frame.on_unpack_error is not None:
+        plain_unpack = unpack
+
+        def unpack(holder: _Holder) -> torch.Tensor:
+            try:
+                return plain_unpack(holder)
+            except CheckpointError as error:
+                frame.on_unpack_error(error)
+
+    return _InternalHooks(pack, unpack)
+
+
+def _recompute_hooks(frame: _Frame, gid: Any) -> _InternalHooks:
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach() if x.requires_grad else x  # the recompute graph itself is never differentiated
+        index = frame.recompute_count[gid]
+        frame.recompute_count[gid] += 1
+        if index >= len(frame.weak_holders):
+            if not frame.forward_completed:  # backward inside the forward: the forward is still growing
+                frame.ignore_count_mismatch = True
+                return x
+            raise CheckpointError(
+                "fastckpt.checkpoint: trying to save more tensors during recomputation than during the original "
+                f"forward pass.\n{_DEBUG_TIP}"
+            )
+        holder = frame.weak_holders[index]()
+        if holder is not None:  # None: its graph was already freed, nobody will unpack it
+            handle = _Handle()
+            holder.handles[gid] = handle
+            frame.recomputed[gid][handle] = x
+        if frame.early_stop and frame.recompute_count[gid] == len(frame.weak_holders):
+            raise _StopRecompute
+        return x
+
+    return _InternalHooks(pack, lambda x: x)
+
+
+def _resolve_debug(debug: bool) -> bool:
+    globally = torch_checkpoint._checkpoint_debug_enabled
+    return debug if globally is None else globally
+
+
+def _resolve_early_stop(early_stop: bool) -> bool:
+    globally = torch_checkpoint._enable_checkpoint_early_stop
+    return early_stop if globally is None else globally
+
+
+def checkpoint_non_reentrant(
+    function: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    *,
+    preserve_rng_state: bool,
+    context_fn: Callable[[], tuple[Any, Any]],
+    determinism_check: str,
+    debug: bool,
+    early_stop: bool,
+    input_hooks: Callable[[], Any] | None = None,
+) -> Any:
+    """Run `function` now, keep only its inputs, and recompute it in backward.
+
+    `input_hooks`, when given, returns a saved-tensor-hooks context through which the inputs are
+    stored (a storage policy such as recompute+offload).
+    """
+    on_unpack_error = None
+    if _resolve_debug(debug):
+        if context_fn is not torch_checkpoint.noop_context_fn:
+            raise ValueError("debug=True is incompatible with non-default context_fn")
+        trace = OpTrace()
+        context_fn, on_unpack_error = trace.context_fn, trace.raise_with_trace
+    metadata_fn = DETERMINISM_CHECKS[determinism_check]
+    forward_context, recompute_context = context_fn()
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+
+    flat_tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+    state = ForwardState.capture(flat_tensors, preserve_rng_state)
+
+    def recompute_fn(*re_args: Any, **re_kwargs: Any) -> None:
+        with state.replay(), recompute_context:
+            function(*re_args, **re_kwargs)
+
+    frame = _Frame(recompute_fn, _resolve_early_stop(early_stop), metadata_fn, on_unpack_error)
+    if input_hooks is None:
+        frame.save_inputs(args, kwargs)
+    else:
+        with input_hooks():
+            frame.save_inputs(args, kwargs)
+
+    completed = False
+    with _forward_hooks(frame), forward_context:
+        output = function(*args, **kwargs)
+        completed = True
+    if not completed:
+        raise RuntimeError(
+            "fastckpt.checkpoint: the forward context from context_fn suppressed an exception raised in the "
+            "checkpointed forward; checkpoint cannot return a value for a failed forward."
+        )
+    frame.forward_completed = True
+    state.check_device_not_initialised_in_forward()
+    return output

@@ -1,0 +1,108 @@
+"""Policies: how a checkpointed segment keeps what backward needs (recompute, store, compress, offload)."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+
+import torch
+
+CODECS = ("int8", "fp8", "int4", "int2")
+TOKENS = ("recompute", "save", "offload", *CODECS)
+
+
+@dataclass(frozen=True)
+class Policy:
+    """Per-segment storage policy.
+
+    recompute: re-run the segment in backward (stock checkpoint); then only the segment's inputs
+        go through `codec`/`offload`. Without it, every tensor the segment saves for backward does.
+    codec: one of CODECS, or None for exact storage.
+    offload: keep stored tensors in host memory until backward.
+    group_size, stochastic_rounding, min_tensor_bytes, rule: tuning of the storage engine.
+    """
+
+    recompute: bool = True
+    codec: str | None = None
+    offload: bool = False
+    group_size: int = 64
+    stochastic_rounding: bool = False
+    min_tensor_bytes: int = 4096
+    rule: Callable[[torch.Tensor], Policy | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.codec is not None and self.codec not in CODECS:
+            raise ValueError(f"Policy: codec={self.codec!r} is not one of {list(CODECS)} (or None for exact storage)")
+        if self.group_size <= 0:
+            raise ValueError(f"Policy: group_size must be a positive integer, got {self.group_size}")
+        if self.min_tensor_bytes < 0:
+            raise ValueError(f"Policy: min_tensor_bytes must be >= 0, got {self.min_tensor_bytes}")
+
+    @classmethod
+    def parse(cls, spec: str | Policy) -> Policy:
+        """Parse a '+'-joined policy string such as 'int4+offload'; a Policy passes through."""
+        if isinstance(spec, Policy):
+            return spec
+        if not isinstance(spec, str):
+            raise TypeError(f"policy must be a string such as 'int4+offload' or a fastckpt.Policy, got {type(spec)}")
+        tokens = [t.strip() for t in spec.split("+")]
+        for token in tokens:
+            if token not in TOKENS:
+                raise ValueError(f"policy {spec!r}: unknown token {token!r}; valid tokens are {list(TOKENS)}")
+        if len(set(tokens)) != len(tokens):
+            raise ValueError(f"policy {spec!r}: a token is repeated")
+        codecs = [t for t in tokens if t in CODECS]
+        if len(codecs) > 1:
+            raise ValueError(f"policy {spec!r}: at most one codec of {list(CODECS)}, got {codecs}")
+        if "save" in tokens and len(tokens) > 1:
+            raise ValueError(f"policy {spec!r}: 'save' (plain storage) cannot be combined with other tokens")
+        return cls(
+            recompute="recompute" in tokens,
+            codec=codecs[0] if codecs else None,
+            offload="offload" in tokens,
+        )
+
+    @property
+    def is_stock(self) -> bool:
+        """True for plain recompute, the behaviour of torch.utils.checkpoint."""
+        return self.recompute and self.codec is None and not self.offload
+
+    @property
+    def is_plain_storage(self) -> bool:
+        """True for 'save': no recompute, tensors kept as autograd would keep them."""
+        return not self.recompute and self.codec is None and not self.offload
+
+    def __str__(self) -> str:
+        tokens = (["recompute"] if self.recompute else []) + ([self.codec] if self.codec else [])
+        tokens += ["offload"] if self.offload else []
+        return "+".join(tokens) or "save"
+
+    def with_options(self, **changes) -> Policy:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)
+
+
+RECOMPUTE = Policy()
+_default_policy: contextvars.ContextVar[Policy] = contextvars.ContextVar("fastckpt_default_policy", default=RECOMPUTE)
+
+
+def current_policy() -> Policy:
+    """The policy used by calls that pass policy=None."""
+    return _default_policy.get()
+
+
+def resolve(policy: str | Policy | None) -> Policy:
+    """The Policy a call runs with: its own argument, else the current default."""
+    return current_policy() if policy is None else Policy.parse(policy)
+
+
+@contextlib.contextmanager
+def policy(spec: str | Policy) -> Iterator[Policy]:
+    """Set the default policy for checkpoint calls made inside the block."""
+    token = _default_policy.set(Policy.parse(spec))
+    try:
+        yield _default_policy.get()
+    finally:
+        _default_policy.reset(token)
