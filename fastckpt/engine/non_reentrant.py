@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointError
 
 from fastckpt.engine.debug import OpTrace, UnpackErrorCallback
+from fastckpt.engine.flat_tree import FlatTree
 from fastckpt.engine.replay import ForwardState
 
 DETERMINISM_CHECKS: dict[str, Callable[[torch.Tensor], Any]] = {
@@ -73,8 +73,7 @@ class _Frame:
         self.early_stop = early_stop
         self.metadata_fn = metadata_fn
         self.on_unpack_error: UnpackErrorCallback | None = on_unpack_error
-        self.input_spec: Any = None
-        self.input_leaves: list[Any] = []
+        self.input_tree: FlatTree | None = None
         self.input_saver: Any = None
         self.weak_holders: list[weakref.ref[_Holder]] = []
         self.forward_metadata: list[Any] = []
@@ -85,18 +84,13 @@ class _Frame:
         self.ignore_count_mismatch = False
 
     def save_inputs(self, args: tuple, kwargs: dict) -> None:
-        leaves, self.input_spec = tree_flatten((args, kwargs))
-        tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        self.input_leaves = [None if i in set(tensor_positions) else leaf for i, leaf in enumerate(leaves)]
-        self.tensor_positions = tensor_positions
+        self.input_tree = FlatTree((args, kwargs))
         anchor = torch.empty(0, requires_grad=True)
-        self.input_saver = _SaveInputs.apply(anchor, *(leaves[i] for i in tensor_positions)).grad_fn
+        self.input_saver = _SaveInputs.apply(anchor, *self.input_tree.tensors).grad_fn
+        self.input_tree.tensors = []  # the saver node's SavedVariables own them from here on
 
     def inputs(self) -> tuple[tuple, dict]:
-        leaves = list(self.input_leaves)
-        for position, tensor in zip(self.tensor_positions, self.input_saver.saved_tensors):
-            leaves[position] = tensor
-        return tree_unflatten(leaves, self.input_spec)
+        return self.input_tree.rebuild(self.input_saver.saved_tensors)
 
     def check_recomputed(self, gid: Any) -> None:
         if self.ignore_count_mismatch:
@@ -263,8 +257,7 @@ def checkpoint_non_reentrant(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
 
-    flat_tensors = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-    state = ForwardState.capture(flat_tensors, preserve_rng_state)
+    state = ForwardState.capture(FlatTree((args, kwargs)).tensors, preserve_rng_state)
 
     def recompute_fn(*re_args: Any, **re_kwargs: Any) -> None:
         with state.replay(), recompute_context:

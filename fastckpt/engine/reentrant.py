@@ -8,47 +8,31 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fastckpt._extension import extension
+from fastckpt.engine.flat_tree import FlatTree
 from fastckpt.engine.replay import ForwardState
-
-
-class _Flat:
-    """A pytree split into its tensor leaves and everything else, to be rebuilt with new tensors."""
-
-    def __init__(self, tree: Any) -> None:
-        leaves, self.spec = tree_flatten(tree)
-        self.positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-        self.tensors = [leaves[i] for i in self.positions]
-        self.others = [None if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
-
-    def rebuild(self, tensors: list[torch.Tensor]) -> Any:
-        leaves = list(self.others)
-        for position, tensor in zip(self.positions, tensors):
-            leaves[position] = tensor
-        return tree_unflatten(leaves, self.spec)
 
 
 class _Segment:
     """What the C++ node calls: the forward (grad off) and the recompute (grad on, state replayed)."""
 
-    def __init__(self, function: Callable[..., Any], inputs: _Flat, preserve_rng_state: bool) -> None:
+    def __init__(self, function: Callable[..., Any], inputs: FlatTree, preserve_rng_state: bool) -> None:
         self.function = function
         self.inputs = inputs
         self.preserve_rng_state = preserve_rng_state
-        self.outputs: _Flat | None = None
+        self.outputs: FlatTree | None = None
         self.state: ForwardState | None = None
 
     def forward(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         self.state = ForwardState.capture(tensors, self.preserve_rng_state)
-        self.outputs = _Flat(self.function(*self.inputs.rebuild(tensors)))
+        self.outputs = FlatTree(self.function(*self.inputs.rebuild(tensors)))
         self.inputs.tensors = []  # the node's SavedVariables own the inputs from here on
         return self.outputs.tensors
 
     def recompute(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         with self.state.replay(), torch.enable_grad():
-            outputs = _Flat(self.function(*self.inputs.rebuild(tensors)))
+            outputs = FlatTree(self.function(*self.inputs.rebuild(tensors)))
         return outputs.tensors
 
 
@@ -60,7 +44,7 @@ def checkpoint_reentrant(
     input_hooks: Callable[[], Any] | None = None,
 ) -> Any:
     """Run `function(*args)` without grad as one C++ autograd node that recomputes it in backward."""
-    inputs = _Flat(args)
+    inputs = FlatTree(args)
     if not any(t.requires_grad for t in inputs.tensors):
         warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=3)
     segment = _Segment(function, inputs, preserve_rng_state)

@@ -100,7 +100,7 @@ class ForwardState:
             if self.preserve_rng_state:
                 torch.set_rng_state(self.cpu_rng)
                 module = _device_module(self.device_type)
-                for index, state in zip(self.device_ids, self.device_rngs):
+                for index, state in zip(self.device_ids, self.device_rngs, strict=True):
                     with module.device(index):
                         module.set_rng_state(state)
             device_autocast = (
