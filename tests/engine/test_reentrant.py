@@ -1,0 +1,153 @@
+"""Reentrant checkpoint (the C++ autograd Function) keeps torch's reentrant behaviours."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fastckpt
+
+
+def chain(x):
+    return x.sin().exp().cos()
+
+
+def reentrant(fn, *args, **kwargs):
+    return fastckpt.checkpoint(fn, *args, use_reentrant=True, **kwargs)
+
+
+def test_gradient_flows_through_the_cpp_node():
+    x = torch.randn(5, requires_grad=True)
+    out = reentrant(chain, x)
+    assert type(out.grad_fn).__name__ != "SinBackward0"  # one node for the whole segment
+    out.sum().backward()
+    ours, x.grad = x.grad, None
+    chain(x).sum().backward()
+    assert torch.equal(ours, x.grad)
+
+
+def test_warns_when_no_input_requires_grad():
+    layer = torch.nn.Linear(3, 3)
+    with pytest.warns(UserWarning, match="None of the inputs have requires_grad=True"):
+        out = reentrant(layer, torch.randn(2, 3))
+    assert not out.requires_grad  # as in torch: reentrant cannot reach the parameters then
+
+
+def test_error_at_backward_when_no_output_requires_grad():
+    x = torch.randn(3, requires_grad=True)
+    out = reentrant(lambda x: (x.detach() * 2, x.detach().exp()), x)
+    with pytest.raises(RuntimeError, match="none of output has requires_grad=True"):
+        out[0].sum().backward()
+
+
+@pytest.mark.parametrize("how", ["grad", "inputs"])
+def test_error_under_autograd_grad_and_inputs_then_flag_resets(how):
+    x = torch.randn(3, requires_grad=True)
+    out = reentrant(chain, x)
+    with pytest.raises(RuntimeError, match="incompatible with .grad\\(\\) or passing an `inputs` parameter"):
+        if how == "grad":
+            torch.autograd.grad(out.sum(), x)
+        else:
+            out.sum().backward(inputs=[x])
+    reentrant(chain, x).sum().backward()  # a plain backward afterwards works again
+    assert x.grad is not None
+
+
+def test_rejects_kwargs_context_fn_and_debug_with_torch_texts():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: scale"):
+        reentrant(chain, x, scale=2)
+    with pytest.raises(ValueError, match="only supported when use_reentrant=False"):
+        reentrant(chain, x, debug=True)
+    with pytest.raises(ValueError, match="only supported when use_reentrant=False"):
+        reentrant(chain, x, context_fn=lambda: (None, None))
+
+
+def test_non_tensor_and_nested_inputs_and_outputs():
+    x, y = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+
+    def fn(pair, scale, name):
+        a, b = pair
+        return {"sum": (a * b).sin() * scale, "name": name, "parts": [a.exp(), 7]}
+
+    out = reentrant(fn, (x, y), 2.0, "seg")
+    assert out["name"] == "seg" and out["parts"][1] == 7
+    (out["sum"].sum() + out["parts"][0].sum()).backward()
+    ours = (x.grad, y.grad)
+    x.grad = y.grad = None
+    plain = fn((x, y), 2.0, "seg")
+    (plain["sum"].sum() + plain["parts"][0].sum()).backward()
+    assert torch.equal(ours[0], x.grad) and torch.equal(ours[1], y.grad)
+
+
+def test_integer_outputs_pass_through_without_grad():
+    x = torch.randn(4, requires_grad=True)
+    values, indices = reentrant(lambda x: x.exp().max(dim=0), x)
+    assert indices.dtype == torch.int64 and not indices.requires_grad
+    values.backward()
+    assert x.grad is not None
+
+
+def test_one_recompute_per_backward_and_caller_rng_undisturbed():
+    x = torch.randn(64, requires_grad=True)
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return torch.nn.functional.dropout(x, 0.5).sin()
+
+    torch.manual_seed(3)
+    out = reentrant(fn, x)
+    out.sum().backward()
+    after_ours = torch.rand(3)
+    ours, x.grad = x.grad, None
+    torch.manual_seed(3)
+    fn(x).sum().backward()
+    after_plain = torch.rand(3)
+    assert len(calls) == 3  # forward, recompute, plain reference
+    assert torch.equal(ours, x.grad) and torch.equal(after_ours, after_plain)
+
+
+def test_inplace_modification_of_input_caught_at_backward():
+    x = torch.randn(4, requires_grad=True)
+    inp = x * 1
+    out = reentrant(chain, inp)
+    inp.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        out.sum().backward()
+
+
+def test_exception_type_from_recompute_survives_the_engine():
+    class Boom(Exception):
+        pass
+
+    runs = []
+
+    def fn(x):
+        runs.append(1)
+        if len(runs) > 1:
+            raise Boom("from recompute")
+        return x.sin()
+
+    out = reentrant(fn, torch.randn(3, requires_grad=True))
+    with pytest.raises(Boom, match="from recompute"):
+        out.sum().backward()
+
+
+def test_no_reference_cycles():
+    gc.collect()
+    gc.disable()
+    try:
+        layer = torch.nn.Linear(8, 8)
+        inp = torch.randn(2, 8, requires_grad=True) * 2
+        inp_ref, layer_ref = weakref.ref(inp), weakref.ref(layer)
+        out = reentrant(layer, inp)
+        del inp, layer
+        assert inp_ref() is not None
+        del out
+        assert inp_ref() is None and layer_ref() is None, "graph kept alive by a reference cycle"
+    finally:
+        gc.enable()
