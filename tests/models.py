@@ -9,7 +9,9 @@ from torch import nn
 class MLP(nn.Module):
     def __init__(self, width: int = 32) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 8))
+        self.net = nn.Sequential(
+            nn.Linear(16, width), nn.GELU(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 8)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)

@@ -1,0 +1,64 @@
+"""Argument errors of the public API, and the default policy reaching checkpoint calls."""
+
+import pytest
+import torch
+
+import fastckpt
+
+
+def test_non_callable_function():
+    with pytest.raises(TypeError, match="`function` must be callable"):
+        fastckpt.checkpoint(torch.randn(2), torch.randn(2))
+
+
+@pytest.mark.parametrize("segments", [0, -1, 4])
+def test_segments_out_of_range(segments):
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU(), torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"`segments` must be between 1 and the number of modules \(3\)"):
+        fastckpt.checkpoint_sequential(seq, segments, torch.randn(1, 2))
+
+
+def test_segments_wrong_type_and_unexpected_kwargs():
+    seq = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    with pytest.raises(TypeError, match="`segments` must be an int"):
+        fastckpt.checkpoint_sequential(seq, 1.0, torch.randn(1, 2))
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: bogus"):
+        fastckpt.checkpoint_sequential(seq, 1, torch.randn(1, 2), bogus=1)
+
+
+def test_unknown_policy_token():
+    with pytest.raises(ValueError, match="unknown token 'int3'"):
+        fastckpt.checkpoint(torch.sin, torch.randn(2, requires_grad=True), policy="int3")
+
+
+def test_determinism_check_values():
+    x = torch.randn(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"determinism_check should be one of \['default', 'none'\]"):
+        fastckpt.checkpoint(torch.sin, x, determinism_check="strict")
+    fastckpt.checkpoint(torch.sin, x, determinism_check="none").sum().backward()
+
+
+def test_curried_form_rejects_stray_kwargs():
+    with pytest.raises(ValueError, match="Unexpected keyword arguments: foo"):
+        fastckpt.checkpoint(foo=1)
+
+
+def test_default_policy_reaches_calls():
+    calls = []
+
+    def fn(x):
+        calls.append(1)
+        return x.sin().exp()
+
+    x = torch.randn(3, requires_grad=True)
+    with fastckpt.policy("save"):
+        fastckpt.checkpoint(fn, x).sum().backward()
+    assert len(calls) == 1  # stored, not recomputed
+    fastckpt.checkpoint(fn, x).sum().backward()
+    assert len(calls) == 3  # default recompute again outside the block
+
+
+def test_storage_policies_not_built_yet_say_so():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="policy='int4'.*not in this build"):
+        fastckpt.checkpoint(torch.sin, x, policy="int4")
