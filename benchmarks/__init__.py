@@ -1,0 +1,1 @@
+"""fastckpt benchmark suite: `python -m benchmarks` (see benchmarks/__main__.py)."""
