@@ -46,7 +46,7 @@ def checkpoint_reentrant(
     """Run `function(*args)` without grad as one C++ autograd node that recomputes it in backward."""
     inputs = FlatTree(args)
     if not any(t.requires_grad for t in inputs.tensors):
-        warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=3)
+        warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=4)
     segment = _Segment(function, inputs, preserve_rng_state)
     with input_hooks() if input_hooks is not None else contextlib.nullcontext():
         outputs = extension().reentrant_checkpoint(segment, inputs.tensors)
