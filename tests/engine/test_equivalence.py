@@ -30,17 +30,24 @@ def assert_all_equal(got, expected):
         assert torch.equal(a, b), f"tensor {i} differs (max abs diff {(a.float() - b.float()).abs().max()})"
 
 
+def assert_matches_plain_and_stock(model, x, ours, stock, plain=None):
+    """`ours` and `stock` (torch.utils.checkpoint) each give exactly what plain autograd gives."""
+    plain = run_step(model, x, plain or model)
+    assert_all_equal(run_step(model, x, ours), plain)
+    assert_all_equal(run_step(model, x, stock), plain)
+
+
 @pytest.mark.parametrize("use_reentrant", MODES)
 @pytest.mark.parametrize("model_cls", [MLP, SmallCNN, TransformerBlock])
 def test_models_bit_identical(model_cls, use_reentrant):
     torch.manual_seed(0)
     model = model_cls().train()
-    x = make_input(model)
-    plain = run_step(model, x, model)
-    ours = run_step(model, x, lambda x: fastckpt.checkpoint(model, x, use_reentrant=use_reentrant))
-    stock = run_step(model, x, lambda x: torch_checkpoint.checkpoint(model, x, use_reentrant=use_reentrant))
-    assert_all_equal(ours, plain)
-    assert_all_equal(ours, stock)
+    assert_matches_plain_and_stock(
+        model,
+        make_input(model),
+        lambda x: fastckpt.checkpoint(model, x, use_reentrant=use_reentrant),
+        lambda x: torch_checkpoint.checkpoint(model, x, use_reentrant=use_reentrant),
+    )
 
 
 @pytest.mark.parametrize("use_reentrant", MODES)
@@ -92,26 +99,22 @@ def test_nested_checkpoints(use_reentrant):
     torch.manual_seed(0)
     outer, inner = MLP(), nn_sequential_dropout()
 
-    def model(x):
-        return outer(inner(x))
+    def nested(checkpoint_fn):
+        def forward(x):
+            def body(x):
+                return outer(checkpoint_fn(inner, x, use_reentrant=use_reentrant))
 
-    def ours(x):
-        def body(x):
-            return outer(fastckpt.checkpoint(inner, x, use_reentrant=use_reentrant))
+            return checkpoint_fn(body, x, use_reentrant=use_reentrant)
 
-        return fastckpt.checkpoint(body, x, use_reentrant=use_reentrant)
+        return forward
 
-    def stock(x):
-        def body(x):
-            return outer(torch_checkpoint.checkpoint(inner, x, use_reentrant=use_reentrant))
-
-        return torch_checkpoint.checkpoint(body, x, use_reentrant=use_reentrant)
-
-    container = torch.nn.ModuleList([outer, inner])
-    x = torch.randn(4, 16)
-    plain = run_step(container, x, model)
-    assert_all_equal(run_step(container, x, ours), plain)
-    assert_all_equal(run_step(container, x, stock), plain)
+    assert_matches_plain_and_stock(
+        torch.nn.ModuleList([outer, inner]),
+        torch.randn(4, 16),
+        nested(fastckpt.checkpoint),
+        nested(torch_checkpoint.checkpoint),
+        plain=lambda x: outer(inner(x)),
+    )
 
 
 def nn_sequential_dropout():
@@ -122,14 +125,12 @@ def nn_sequential_dropout():
 def test_checkpoint_sequential_matches_torch(use_reentrant):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[nn_sequential_dropout() for _ in range(5)])
-    x = torch.randn(4, 16)
-    plain = run_step(model, x, model)
-    ours = run_step(model, x, lambda x: fastckpt.checkpoint_sequential(model, 3, x, use_reentrant=use_reentrant))
-    stock = run_step(
-        model, x, lambda x: torch_checkpoint.checkpoint_sequential(model, 3, x, use_reentrant=use_reentrant)
+    assert_matches_plain_and_stock(
+        model,
+        torch.randn(4, 16),
+        lambda x: fastckpt.checkpoint_sequential(model, 3, x, use_reentrant=use_reentrant),
+        lambda x: torch_checkpoint.checkpoint_sequential(model, 3, x, use_reentrant=use_reentrant),
     )
-    assert_all_equal(ours, plain)
-    assert_all_equal(ours, stock)
 
 
 @pytest.mark.parametrize("use_reentrant", MODES)
