@@ -172,3 +172,72 @@ def checkpoint_sequential(
         )
     last_start = size * (segments - 1)
     return run(last_start, len(functions))(input)
+
+
+class CheckpointWrapper(torch.nn.Module):
+    """A module whose forward is checkpointed; its state dict is exactly the wrapped module's."""
+
+    _PREFIX = "checkpointed."
+
+    def __init__(self, module: torch.nn.Module, policy: str | Policy | None, use_reentrant: bool | None) -> None:
+        super().__init__()
+        self.checkpointed = module
+        self.policy = None if policy is None else Policy.parse(policy)
+        self.use_reentrant = use_reentrant
+        self._register_state_dict_hook(_strip_prefix)
+        self._register_load_state_dict_pre_hook(_add_prefix, with_module=True)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.checkpointed, *args, use_reentrant=self.use_reentrant, policy=self.policy, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.checkpointed, name)
+
+
+def _strip_prefix(module: CheckpointWrapper, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix + CheckpointWrapper._PREFIX)]:
+        state_dict[prefix + key[len(prefix + CheckpointWrapper._PREFIX) :]] = state_dict.pop(key)
+
+
+def _add_prefix(module: CheckpointWrapper, state_dict: dict, prefix: str, *args: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + module._PREFIX)]:
+        state_dict[prefix + module._PREFIX + key[len(prefix) :]] = state_dict.pop(key)
+
+
+def wrap(
+    module: torch.nn.Module, policy: str | Policy | None = None, *, use_reentrant: bool | None = None
+) -> CheckpointWrapper:
+    """Wrap `module` so each call is checkpointed with `policy`; state-dict keys stay those of `module`."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"wrap: `module` must be a torch.nn.Module, got {type(module)}")
+    if isinstance(module, CheckpointWrapper):
+        raise ValueError("wrap: `module` is already wrapped by fastckpt; wrap the inner module once")
+    return CheckpointWrapper(module, policy, use_reentrant)
+
+
+def apply(
+    model: torch.nn.Module,
+    policy: str | Policy | None = None,
+    check_fn: Callable[[torch.nn.Module], bool] = lambda module: True,
+    *,
+    use_reentrant: bool | None = None,
+) -> torch.nn.Module:
+    """Replace, in place, every submodule of `model` for which `check_fn` is true by `wrap(submodule)`.
+
+    Matching submodules are not searched further. Returns `model`.
+    """
+    if not callable(check_fn):
+        raise TypeError(f"apply: `check_fn` must be callable (module -> bool), got {type(check_fn)}")
+    if policy is not None:
+        Policy.parse(policy)  # fail before changing the model
+    for name, child in list(model.named_children()):
+        if isinstance(child, CheckpointWrapper):
+            continue
+        if check_fn(child):
+            setattr(model, name, wrap(child, policy, use_reentrant=use_reentrant))
+        else:
+            apply(child, policy, check_fn, use_reentrant=use_reentrant)
+    return model
