@@ -3,6 +3,7 @@
 from fastckpt import _extension  # noqa: F401  (loads fastckpt._C and registers its ops)
 from fastckpt.api import CheckpointWrapper, apply, checkpoint, checkpoint_sequential, wrap
 from fastckpt.policy import Policy, current_policy, policy
+from fastckpt.storage.accounting import track
 
 __version__ = "0.1.0"
 __all__ = [
@@ -13,5 +14,6 @@ __all__ = [
     "checkpoint_sequential",
     "current_policy",
     "policy",
+    "track",
     "wrap",
 ]

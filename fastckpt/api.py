@@ -12,6 +12,7 @@ from torch.utils.checkpoint import noop_context_fn
 from fastckpt.engine.non_reentrant import DETERMINISM_CHECKS, checkpoint_non_reentrant
 from fastckpt.engine.reentrant import checkpoint_reentrant
 from fastckpt.policy import Policy, resolve
+from fastckpt.storage.packer import SegmentStorage
 
 
 def checkpoint(
@@ -107,25 +108,26 @@ def _run(
     )
 
 
-def _storage_unavailable(policy: Policy) -> ValueError:
-    return ValueError(
-        f"policy={str(policy)!r}: compressed and offloaded storage is not in this build of fastckpt yet; "
-        "use policy='recompute' (stock checkpoint) or 'save' (plain storage)"
-    )
+def _storage(policy: Policy) -> SegmentStorage:
+    if policy.codec is not None:
+        raise ValueError(
+            f"policy={str(policy)!r}: the {policy.codec} codec is not in this build of fastckpt yet; "
+            "use 'recompute', 'save', 'offload' or 'recompute+offload'"
+        )
+    return SegmentStorage(policy)
 
 
 def _input_hooks(policy: Policy) -> Callable[[], Any] | None:
     """Saved-tensor hooks through which a recompute policy stores the segment's inputs (None: plainly)."""
     if policy.is_stock:
         return None
-    raise _storage_unavailable(policy)
+    return _storage(policy).hooks
 
 
 def _run_stored(function: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy) -> Any:
     """A storage policy: no recompute; every tensor saved for backward goes through the policy's storage."""
-    if policy.is_plain_storage:
+    with _storage(policy).hooks():
         return function(*args, **kwargs)
-    raise _storage_unavailable(policy)
 
 
 def checkpoint_sequential(

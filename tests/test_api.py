@@ -60,5 +60,5 @@ def test_default_policy_reaches_calls():
 
 def test_storage_policies_not_built_yet_say_so():
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(ValueError, match="policy='int4'.*not in this build"):
+    with pytest.raises(ValueError, match="policy='int4'.*int4 codec is not in this build"):
         fastckpt.checkpoint(torch.sin, x, policy="int4")

@@ -1,0 +1,1 @@
+"""The storage engine: saved-tensor packers (plain, compressed, offloaded) and their accounting."""

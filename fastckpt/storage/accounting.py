@@ -1,0 +1,82 @@
+"""`fastckpt.track()`: per-segment bytes and times of what the storage engine kept for backward."""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SegmentRecord:
+    """What one checkpointed call stored: bytes as autograd would have kept them, and as kept instead."""
+
+    policy: str
+    tensors: int = 0
+    raw_bytes: int = 0  # bytes the saved tensors would occupy stored plainly
+    device_bytes: int = 0  # bytes kept on the accelerator (or in CPU memory for CPU tensors)
+    host_bytes: int = 0  # bytes offloaded to host memory
+    pack_seconds: float = 0.0
+    unpack_seconds: float = 0.0
+    codecs: set[str] = field(default_factory=set)
+
+    @property
+    def stored_bytes(self) -> int:
+        return self.device_bytes + self.host_bytes
+
+
+@dataclass
+class Report:
+    """All segments recorded inside one `track()` block, in call order."""
+
+    segments: list[SegmentRecord] = field(default_factory=list)
+
+    def add(self, record: SegmentRecord) -> None:
+        """Include `record` (once), whether the block saw its forward or only its backward."""
+        if all(s is not record for s in self.segments):
+            self.segments.append(record)
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(s.raw_bytes for s in self.segments)
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(s.device_bytes for s in self.segments)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(s.host_bytes for s in self.segments)
+
+    def table(self) -> str:
+        """A text table, one line per segment."""
+        lines = [
+            f"{'seg':>4} {'policy':<22}{'tensors':>8}{'raw MiB':>10}{'device MiB':>12}{'host MiB':>10}"
+            f"{'pack ms':>9}{'unpack ms':>10}"
+        ]
+        for index, s in enumerate(self.segments):
+            lines.append(
+                f"{index:>4} {s.policy:<22}{s.tensors:>8}{s.raw_bytes / 2**20:>10.2f}{s.device_bytes / 2**20:>12.2f}"
+                f"{s.host_bytes / 2**20:>10.2f}{s.pack_seconds * 1e3:>9.2f}{s.unpack_seconds * 1e3:>10.2f}"
+            )
+        return "\n".join(lines)
+
+
+_current: contextvars.ContextVar[Report | None] = contextvars.ContextVar("fastckpt_track_report", default=None)
+
+
+def current_report() -> Report | None:
+    """The report of the innermost active `track()` block, or None."""
+    return _current.get()
+
+
+@contextlib.contextmanager
+def track() -> Iterator[Report]:
+    """Record, per checkpointed segment, raw/stored/host bytes and pack/unpack times."""
+    report = Report()
+    token = _current.set(report)
+    try:
+        yield report
+    finally:
+        _current.reset(token)

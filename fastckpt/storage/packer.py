@@ -1,0 +1,115 @@
+"""The saved-tensor hooks of one segment under a storage policy.
+
+Every tensor autograd saves inside the segment comes through `pack`. Tensors that are alive
+anyway or not worth storing differently (parameters, small, integer, sparse, subclasses) are
+kept as they are; the rest are stored through the policy's codec and/or moved to host memory.
+The same tensor saved by several ops is stored once.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any
+
+import torch
+
+from fastckpt.policy import Policy
+from fastckpt.storage import offload
+from fastckpt.storage.accounting import SegmentRecord, current_report
+
+_STORABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _is_parameter_like(t: torch.Tensor) -> bool:
+    """Parameters (and views of them, e.g. a transposed weight) stay alive anyway: never store a copy."""
+    base = t._base if t._base is not None else t
+    return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
+
+
+def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
+    """Why `t` is kept as autograd would keep it, or None when the policy's storage applies."""
+    if type(t) not in (torch.Tensor, torch.nn.Parameter):
+        return "tensor subclass"
+    if t.layout != torch.strided or t.is_nested:
+        return "not a dense tensor"
+    if t.dtype not in _STORABLE_DTYPES:
+        return f"dtype {t.dtype}"
+    if _is_parameter_like(t):
+        return "parameter"
+    if _nbytes(t) < policy.min_tensor_bytes:
+        return "small"
+    return None
+
+
+class _Stored:
+    """One tensor as the policy keeps it, with what is needed to rebuild it."""
+
+    __slots__ = ("payload", "shape", "dtype", "device", "host_copy")
+
+    def __init__(self, payload: Any, shape: torch.Size, dtype: torch.dtype, device: torch.device, host_copy: Any):
+        self.payload = payload
+        self.shape = shape
+        self.dtype = dtype
+        self.device = device
+        self.host_copy = host_copy
+
+
+class SegmentStorage:
+    """pack/unpack for one checkpointed call; also used for the inputs of a recompute policy."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self.record = SegmentRecord(policy=str(policy))
+        self._stored_by_key: dict[tuple, tuple[weakref.ref, _Stored]] = {}
+        report = current_report()
+        if report is not None:
+            report.add(self.record)
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        """The saved-tensor-hooks context that routes the segment's saved tensors through this storage."""
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        start = time.perf_counter()
+        record = self.record
+        record.tensors += 1
+        policy = self.policy.rule(t) if self.policy.rule is not None else None
+        policy = policy or self.policy
+        if keep_plain_reason(t, policy) is not None:
+            return t.detach()  # t itself would tie an output to its own grad_fn: a reference cycle
+        # The same storage, view and version saved twice (e.g. by two ops) is stored once. The address
+        # only identifies the storage while the first tensor saved from it is alive: after that, the
+        # allocator may have handed the same address to a new tensor.
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
+        first_saved, stored = self._stored_by_key.get(key, (None, None))
+        if stored is None or first_saved() is None:
+            record.raw_bytes += _nbytes(t)
+            stored = self._store(t, policy)
+            self._stored_by_key[key] = (weakref.ref(t), stored)
+        record.pack_seconds += time.perf_counter() - start
+        return stored
+
+    def _store(self, t: torch.Tensor, policy: Policy) -> _Stored:
+        payload = t.detach()
+        if policy.offload and t.device.type != "cpu":
+            host = offload.to_host(payload)
+            self.record.host_bytes += _nbytes(payload)
+            return _Stored(None, t.shape, t.dtype, t.device, host)
+        self.record.device_bytes += _nbytes(payload)
+        return _Stored(payload, t.shape, t.dtype, t.device, None)
+
+    def unpack(self, stored: Any) -> torch.Tensor:
+        if not isinstance(stored, _Stored):
+            return stored
+        start = time.perf_counter()
+        report = current_report()
+        if report is not None:
+            report.add(self.record)
+        tensor = offload.to_device(stored.host_copy) if stored.host_copy is not None else stored.payload
+        self.record.unpack_seconds += time.perf_counter() - start
+        return tensor

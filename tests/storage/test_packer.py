@@ -1,0 +1,120 @@
+"""The storage engine's packer: what is stored, what is kept plain, dedup, accounting, exactness."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt.policy import Policy
+from fastckpt.storage.packer import keep_plain_reason
+from tests.engine.test_equivalence import assert_all_equal, run_step
+from tests.models import TransformerBlock, make_input
+
+LOSSLESS = ["save", "offload", "recompute+offload"]
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("policy", LOSSLESS)
+def test_lossless_policies_bit_identical(policy, use_reentrant):
+    torch.manual_seed(0)
+    model = TransformerBlock().train()
+    x = make_input(model)
+    plain = run_step(model, x, model)
+    ours = run_step(model, x, lambda x: fastckpt.checkpoint(model, x, use_reentrant=use_reentrant, policy=policy))
+    assert_all_equal(ours, plain)
+
+
+def test_track_counts_each_stored_tensor_once_and_never_parameters():
+    torch.manual_seed(0)
+    layer1, layer2 = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def fn(x):
+        h = layer1(x)
+        return layer2(h.sin() * h.cos())  # h is saved by sin and by cos: stored once
+
+    x = torch.randn(32, 64, requires_grad=True) * 1  # a non-leaf activation, as between layers
+    with fastckpt.track() as report:
+        out = fastckpt.checkpoint(fn, x, policy="save")
+        out.sum().backward()
+    (segment,) = report.segments
+    act = 32 * 256 * 4
+    # stored: x (saved by layer1), h (once), sin(h), cos(h), and their product (saved by layer2)
+    assert segment.raw_bytes == 32 * 64 * 4 + 4 * act
+    assert segment.device_bytes == segment.raw_bytes and segment.host_bytes == 0
+    assert segment.policy == "save" and segment.tensors >= 7
+    assert "save" in report.table()
+
+
+def test_track_around_backward_only_still_reports_the_segment():
+    x = torch.randn(64, 64, requires_grad=True) * 1
+    out = fastckpt.checkpoint(lambda x: x.exp().sin(), x, policy="save")
+    with fastckpt.track() as report:
+        out.sum().backward()
+    assert len(report.segments) == 1 and report.raw_bytes == 64 * 64 * 4  # exp's output, also sin's input
+
+
+def test_recompute_offload_stores_only_the_inputs():
+    x = torch.randn(64, 64, requires_grad=True) * 1
+    with fastckpt.track() as report:
+        fastckpt.checkpoint(lambda x: x.exp().sin().exp(), x, policy="recompute+offload").sum().backward()
+    assert report.raw_bytes == x.numel() * 4
+
+
+@pytest.mark.parametrize(
+    "tensor, reason",
+    [
+        (torch.nn.Parameter(torch.randn(64, 64)), "parameter"),
+        (torch.nn.Parameter(torch.randn(64, 64)).t(), "parameter"),
+        (torch.randn(3), "small"),
+        (torch.randint(0, 5, (4096,)), "dtype torch.int64"),
+        (torch.randn(4096) > 0, "dtype torch.bool"),
+        (torch.randn(64, 64).to_sparse(), "not a dense tensor"),
+        (torch.randn(64, 64, dtype=torch.complex64), "dtype torch.complex64"),
+    ],
+)
+def test_kept_plain(tensor, reason):
+    assert keep_plain_reason(tensor, Policy.parse("save")) == reason
+
+
+def test_stored_when_large_activation():
+    assert keep_plain_reason(torch.randn(64, 64) * 1, Policy.parse("int8")) is None
+    assert keep_plain_reason(torch.randn(64, 64) * 1, Policy(min_tensor_bytes=1 << 20)) == "small"
+
+
+def test_per_tensor_rule_overrides_policy():
+    x = torch.randn(64, 64, requires_grad=True) * 1
+    big_only = Policy(recompute=False, rule=lambda t: Policy(recompute=False, min_tensor_bytes=1 << 30))
+    with fastckpt.track() as report:
+        fastckpt.checkpoint(lambda x: x.exp().sin(), x, policy=big_only).sum().backward()
+    assert report.raw_bytes == 0  # the rule made every tensor "small": all kept plain
+
+
+@pytest.mark.parametrize("policy", [Policy.parse("save"), Policy(recompute=False, min_tensor_bytes=0)])
+def test_no_reference_cycles_with_storage_policy(policy):  # kept-plain and stored tensors alike
+    gc.collect()
+    gc.disable()
+    try:
+        layer = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SiLU())
+        out = fastckpt.checkpoint(layer, torch.randn(2, 8, requires_grad=True) * 2, policy=policy)
+        out_ref, layer_ref = weakref.ref(out), weakref.ref(layer)
+        del out, layer
+        assert out_ref() is None and layer_ref() is None
+    finally:
+        gc.enable()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("policy", ["offload", "recompute+offload"])
+def test_cuda_offload_moves_bytes_to_host_and_is_exact(policy):
+    torch.manual_seed(0)
+    model = TransformerBlock(dim=64).cuda().train()
+    x = torch.randn(4, 128, 64, device="cuda")
+    plain = run_step(model, x, model)
+    with fastckpt.track() as report:
+        ours = run_step(model, x, lambda x: fastckpt.checkpoint(model, x, policy=policy))
+    assert_all_equal(ours, plain)
+    assert report.host_bytes > 0 and report.device_bytes == 0
