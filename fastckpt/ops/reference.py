@@ -22,3 +22,168 @@ def unpack_bits_ref(packed: torch.Tensor, shape: list[int]) -> torch.Tensor:
     shifts = torch.arange(8, device=packed.device, dtype=torch.uint8)
     bits = (packed.view(-1, 1) >> shifts) & 1
     return bits.reshape(-1)[:numel].to(torch.bool).view(shape)
+
+
+# ---- quantize family: the arithmetic of csrc/quantize/quantize.h, op by op in float32 ----
+
+_KEY_POS_INF = 0x7F800000  # order key of +Inf; keys above it are NaN
+_KEY_NEG_INF = -0x7F800001  # order key of -Inf; keys below it are NaN
+_PARAM_NAN = 0x7FC0  # the 16-bit NaN stored as scale/offset of a group holding NaN or Inf
+_MIN_NORMAL = 2.0**-126
+
+
+def _order_keys(x: torch.Tensor) -> torch.Tensor:
+    """int32 keys ordered like the float32 values of x (NaNs beyond +-Inf)."""
+    bits = x.float().contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _from_order_keys(keys: torch.Tensor) -> torch.Tensor:
+    return (keys ^ ((keys >> 31) & 0x7FFFFFFF)).view(torch.float32)
+
+
+def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x flattened as float32 [groups, group_size] (zero padded), its valid mask, group min, max, finiteness."""
+    flat = x.reshape(-1).float()
+    groups = (flat.numel() + group_size - 1) // group_size
+    pad = groups * group_size - flat.numel()
+    values = torch.nn.functional.pad(flat, (0, pad)).view(groups, group_size)
+    valid = torch.nn.functional.pad(torch.ones_like(flat, dtype=torch.bool), (0, pad)).view(groups, group_size)
+    keys = _order_keys(values)
+    lo = torch.where(valid, keys, torch.iinfo(torch.int32).max).amin(dim=1)
+    hi = torch.where(valid, keys, torch.iinfo(torch.int32).min).amax(dim=1)
+    finite = (lo > _KEY_NEG_INF) & (hi < _KEY_POS_INF)
+    return values, _from_order_keys(lo), _from_order_keys(hi), finite
+
+
+def _bits16_to(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int32 bit patterns in [0, 65536) as a float16/bfloat16 tensor."""
+    return torch.where(bits >= 0x8000, bits - 0x10000, bits).to(torch.int16).view(dtype)
+
+
+def _round_to_param(v: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """v (finite float32) rounded down (up=False) or up (up=True) to a value of dtype."""
+    nearest = v.to(dtype)
+    bits = nearest.view(torch.int16).to(torch.int32) & 0xFFFF
+    negative = (bits & 0x8000) != 0
+    if up:
+        wrong = nearest.float() < v
+        stepped = torch.where(bits == 0x8000, 1, torch.where(negative, bits - 1, bits + 1))
+    else:
+        wrong = nearest.float() > v
+        stepped = torch.where(bits == 0, 0x8001, torch.where(negative, bits + 1, bits - 1))
+    return _bits16_to(torch.where(wrong, stepped, bits), dtype)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 x in [0, 2^32), without overflowing int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """The lowbias32 integer hash on int64 tensors holding uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _uniform01(seed: int, groups: int, group_size: int, device: torch.device) -> torch.Tensor:
+    """The counter-based uniforms u(seed, group, index) in [0, 1), shape [groups, group_size]."""
+    s = seed & 0xFFFFFFFFFFFFFFFF
+
+    def mix(v: int) -> int:
+        return int(_mix32(torch.tensor([v], dtype=torch.int64))[0])
+
+    seed_key = mix((s & 0xFFFFFFFF) ^ mix((s >> 32) ^ 0x9E3779B9))
+    g = torch.arange(groups, device=device, dtype=torch.int64)
+    group_key = _mix32((g & 0xFFFFFFFF) ^ _mix32((g >> 32) ^ seed_key))
+    index = torch.arange(group_size, device=device, dtype=torch.int64)
+    hashed = _mix32((group_key[:, None] + index[None, :]) & 0xFFFFFFFF)
+    return (hashed >> 8).to(torch.float32) * 2.0**-24
+
+
+def _pack_codes(codes: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    flat = codes.reshape(-1)[:numel].to(torch.int32)
+    flat = torch.nn.functional.pad(flat, (0, (-numel) % per_byte)).view(-1, per_byte)
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+    return (flat << shifts).sum(dim=1).to(torch.uint8)
+
+
+def _unpack_codes(codes: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, device=codes.device, dtype=torch.int32) * bits
+    return ((codes.to(torch.int32)[:, None] >> shifts) & ((1 << bits) - 1)).reshape(-1)[:numel]
+
+
+def _per_element(params: torch.Tensor, group_size: int, numel: int) -> torch.Tensor:
+    return params.float().repeat_interleave(group_size)[:numel]
+
+
+def quantize_per_group_ref(
+    x: torch.Tensor, bits: int, group_size: int, stochastic: bool = False, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Reference of fastckpt::quantize_per_group: (packed uint8 codes, scale, offset)."""
+    max_code = (1 << bits) - 1
+    param_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
+    values, lo, hi, finite = _grouped(x, group_size)
+    lo, hi = torch.where(finite, lo, 0.0), torch.where(finite, hi, 0.0)
+    offset = _round_to_param(lo, param_dtype, up=False)
+    step = (hi - offset.float()) / max_code
+    scale = _round_to_param(torch.clamp(step, min=_MIN_NORMAL), param_dtype, up=True)
+    finite &= torch.isfinite(offset.float()) & torch.isfinite(scale.float())
+    t = (values - offset.float()[:, None]) * (1.0 / scale.float())[:, None]
+    t = torch.where(t > 0, t, 0.0)
+    t = torch.where(t < max_code, t, float(max_code))
+    u = _uniform01(seed, values.shape[0], group_size, x.device) if stochastic else 0.5
+    codes = torch.clamp((t + u).to(torch.int32), max=max_code)
+    codes = torch.where(finite[:, None], codes, 0)
+    nan = _bits16_to(torch.full_like(finite, _PARAM_NAN, dtype=torch.int32), param_dtype)
+    return (
+        _pack_codes(codes, bits, x.numel()),
+        torch.where(finite, scale, nan),
+        torch.where(finite, offset, nan),
+    )
+
+
+def dequantize_per_group_ref(
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    offset: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dtype: torch.dtype,
+    shape: list[int],
+) -> torch.Tensor:
+    """Reference of fastckpt::dequantize_per_group: offset + code * scale in float32, rounded to dtype."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    q = _unpack_codes(codes, bits, numel).float()
+    values = _per_element(offset, group_size, numel) + q * _per_element(scale, group_size, numel)
+    return values.to(dtype).view(shape)
+
+
+def quantize_fp8_per_group_ref(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference of fastckpt::quantize_fp8_per_group: (float8_e4m3fn codes, power-of-two bf16 scale)."""
+    values, lo, hi, finite = _grouped(x, group_size)
+    amax = torch.maximum(lo.view(torch.int32) & 0x7FFFFFFF, hi.view(torch.int32) & 0x7FFFFFFF)
+    # the smallest e with amax / 2^e <= 448 = 1.75 * 2^8, read off amax's exponent and mantissa bits
+    e = (amax >> 23) - torch.where((amax & 0x7FFFFF) <= 0x600000, 135, 134)
+    e = torch.clamp(e, min=-126).to(torch.int32)
+    inv_scale = ((127 - e) << 23).view(torch.float32)
+    scale = ((127 + e) << 23).view(torch.float32).to(torch.bfloat16)
+    codes = (values * inv_scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    codes = torch.where(finite[:, None], codes, 0).reshape(-1)[: x.numel()]
+    nan = _bits16_to(torch.full_like(finite, _PARAM_NAN, dtype=torch.int32), torch.bfloat16)
+    return codes.view(torch.float8_e4m3fn), torch.where(finite, scale, nan)
+
+
+def dequantize_fp8_per_group_ref(
+    codes: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype, shape: list[int]
+) -> torch.Tensor:
+    """Reference of fastckpt::dequantize_fp8_per_group: code * scale in float32, rounded to dtype."""
+    values = codes.float() * _per_element(scale, group_size, codes.numel())
+    return values.to(dtype).view(shape)

@@ -1,0 +1,383 @@
+// The quantize family's shared half: argument checks, storage layout, the counter-based RNG and
+// the per-group codec math. CPU kernels, CUDA kernels and the pure-PyTorch reference
+// (fastckpt/ops/reference.py) implement exactly this arithmetic, so all three give identical codes.
+//
+// Layout of a quantized tensor x with N elements and group size G (row-major flattened order):
+//   groups      ceil(N / G); group g holds elements [g*G, min((g+1)*G, N)).
+//   codes       uint8, ceil(N * bits / 8) bytes; element i lives in byte i*bits/8 at bit offset
+//               (i % (8/bits)) * bits (little-endian, as pack_bits). G is a multiple of 8/bits, so
+//               every group starts on a byte boundary. fp8 codes are float8_e4m3fn, one per element.
+//   scale/offset one 16-bit float per group (affine: fp16 for fp16 inputs, bf16 otherwise; fp8: a
+//               power-of-two scale in bf16). x ~= offset + code * scale (affine), code * scale (fp8).
+//   A group holding NaN or +-Inf (or whose scale/offset would not fit the 16-bit format) stores
+//   scale = offset = NaN and codes 0, so every element of that group decodes to NaN.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define FASTCKPT_HD __host__ __device__ __forceinline__
+#else
+#define FASTCKPT_HD inline
+#endif
+
+namespace fastckpt {
+namespace quant {
+
+// ---------------------------------------------------------------- arithmetic rounded op by op
+// The reference rounds after every operation; an FMA would round once and change codes in rare
+// ties. CUDA contracts a*b+c by default, so device code spells the rounding out (the CPU file is
+// compiled with fp-contract off).
+FASTCKPT_HD float add_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+FASTCKPT_HD float sub_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fsub_rn(a, b);
+#else
+  return a - b;
+#endif
+}
+FASTCKPT_HD float mul_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+FASTCKPT_HD float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+FASTCKPT_HD uint32_t float_bits(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+#endif
+}
+FASTCKPT_HD float float_from_bits(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+#endif
+}
+
+// ---------------------------------------------------------------- 16-bit float conversions
+// Branch-free bit arithmetic (selects only), so CPU loops vectorize; round to nearest even.
+FASTCKPT_HD float half_bits_to_float(uint32_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16;
+  const uint32_t mag = h & 0x7FFFu;
+  // Normal numbers move exponent+mantissa into place and rebias 15 -> 127; Inf/NaN map 31 -> 255.
+  const uint32_t widened = (mag << 13) + (mag >= 0x7C00u ? (224u << 23) : (112u << 23));
+  // Subnormals are mag * 2^-24: put mag in the mantissa of 0.5 (whose ulp is 2^-24), subtract 0.5.
+  const float subnormal = float_from_bits(0x3F000000u | mag) - 0.5f;
+  return float_from_bits(sign | (mag < 0x400u ? float_bits(subnormal) : widened));
+}
+
+FASTCKPT_HD uint32_t float_to_half_bits(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t sign = (u >> 16) & 0x8000u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  // Rebias 127 -> 15 (subtract 112 << 23), then round the 13 dropped bits to nearest even.
+  const uint32_t normal = (a - (112u << 23) + 0xFFFu + ((a >> 13) & 1u)) >> 13;
+  // Below 2^-14: adding 0.5 (ulp 2^-24, the fp16 subnormal step) rounds |f| to that step.
+  const uint32_t subnormal = float_bits(float_from_bits(a) + 0.5f) - 0x3F000000u;
+  uint32_t mag = a < 0x38800000u ? subnormal : normal;
+  mag = a >= 0x477FF000u ? 0x7C00u : mag;  // 65520 and above round to Inf
+  mag = a > 0x7F800000u ? 0x7E00u : mag;   // NaN stays NaN
+  return sign | mag;
+}
+
+FASTCKPT_HD float bf16_bits_to_float(uint32_t b) { return float_from_bits(b << 16); }
+
+FASTCKPT_HD uint32_t float_to_bf16_bits(float f) {
+  const uint32_t u = float_bits(f);
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? ((u >> 16) | 0x40u) : rounded;
+}
+
+FASTCKPT_HD float to_float(float v) { return v; }
+FASTCKPT_HD float to_float(c10::Half v) {
+#ifdef __CUDA_ARCH__
+  return static_cast<float>(v);
+#else
+  return half_bits_to_float(v.x);
+#endif
+}
+FASTCKPT_HD float to_float(c10::BFloat16 v) { return bf16_bits_to_float(v.x); }
+
+template <typename T>
+FASTCKPT_HD T from_float(float v);
+template <>
+FASTCKPT_HD float from_float<float>(float v) {
+  return v;
+}
+template <>
+FASTCKPT_HD c10::Half from_float<c10::Half>(float v) {
+#ifdef __CUDA_ARCH__
+  return c10::Half(v);
+#else
+  return c10::Half(static_cast<uint16_t>(float_to_half_bits(v)), c10::Half::from_bits());
+#endif
+}
+template <>
+FASTCKPT_HD c10::BFloat16 from_float<c10::BFloat16>(float v) {
+#ifdef __CUDA_ARCH__
+  return c10::BFloat16(v);
+#else
+  return c10::BFloat16(static_cast<uint16_t>(float_to_bf16_bits(v)), c10::BFloat16::from_bits());
+#endif
+}
+
+// A 16-bit scale/offset (fp16 or bf16, chosen at run time per tensor) and directed rounding to it.
+FASTCKPT_HD float param_to_float(uint32_t bits, bool bf16) {
+  return bf16 ? bf16_bits_to_float(bits) : half_bits_to_float(bits);
+}
+FASTCKPT_HD uint32_t param_next_down(uint32_t b) { return b == 0u ? 0x8001u : (b & 0x8000u ? b + 1u : b - 1u); }
+FASTCKPT_HD uint32_t param_next_up(uint32_t b) { return b == 0x8000u ? 0x0001u : (b & 0x8000u ? b - 1u : b + 1u); }
+// Largest 16-bit value <= v (v finite; may give -Inf when v is below the format's range).
+FASTCKPT_HD uint32_t param_round_down(float v, bool bf16) {
+  const uint32_t b = bf16 ? float_to_bf16_bits(v) : float_to_half_bits(v);
+  return param_to_float(b, bf16) > v ? param_next_down(b) : b;
+}
+// Smallest 16-bit value >= v (v finite; may give +Inf when v is above the format's range).
+FASTCKPT_HD uint32_t param_round_up(float v, bool bf16) {
+  const uint32_t b = bf16 ? float_to_bf16_bits(v) : float_to_half_bits(v);
+  return param_to_float(b, bf16) < v ? param_next_up(b) : b;
+}
+constexpr uint32_t kParamNaN = 0x7FC0u;  // a quiet NaN in bf16 and in fp16 alike
+FASTCKPT_HD bool is_finite_float(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
+
+// ---------------------------------------------------------------- fp8 e4m3 (finite, no Inf)
+// |y| <= 448 assumed by the codec; larger finite values saturate to 448, NaN gives NaN (0x7F).
+FASTCKPT_HD uint32_t float_to_e4m3_bits(float y) {
+  const uint32_t u = float_bits(y);
+  const uint32_t sign = (u >> 24) & 0x80u;
+  const uint32_t a = u & 0x7FFFFFFFu;
+  // Normal: keep 3 mantissa bits (round to nearest even), rebias 127 -> 7 (subtract 120 << 3).
+  const uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
+  // Below 2^-6: adding 2^14 (ulp 2^-9, the e4m3 subnormal step) rounds |y| to that step.
+  const uint32_t subnormal = float_bits(add_rn(float_from_bits(a), 16384.0f)) - 0x46800000u;
+  uint32_t mag = a < 0x3C800000u ? subnormal : normal;
+  mag = a > 0x43E00000u ? 0x7Eu : mag;
+  mag = a > 0x7F800000u ? 0x7Fu : mag;
+  return sign | mag;
+}
+
+FASTCKPT_HD float e4m3_bits_to_float(uint32_t b) {
+  const uint32_t sign = (b & 0x80u) << 24;
+  const uint32_t mag = b & 0x7Fu;
+  const uint32_t normal = (mag << 20) + (120u << 23);
+  const float subnormal = mul_rn(static_cast<float>(static_cast<int32_t>(mag)), 0.001953125f);  // mag * 2^-9
+  uint32_t out = mag < 8u ? float_bits(subnormal) : normal;
+  out = mag == 0x7Fu ? 0x7FC00000u : out;
+  return float_from_bits(sign | out);
+}
+
+// ---------------------------------------------------------------- order keys for min/max
+// Signed integers ordered like the floats they encode: -NaN < -Inf < ... < -0 < +0 < ... < +Inf < +NaN.
+// Integer min/max reduce exactly (and vectorize without fast-math); NaN/Inf show up at the ends.
+FASTCKPT_HD int32_t order_key(float v) {
+  const int32_t b = static_cast<int32_t>(float_bits(v));
+  return b ^ ((b >> 31) & 0x7FFFFFFF);
+}
+FASTCKPT_HD float from_order_key(int32_t k) { return float_from_bits(static_cast<uint32_t>(k ^ ((k >> 31) & 0x7FFFFFFF))); }
+constexpr int32_t kKeyPosInf = 0x7F800000;
+constexpr int32_t kKeyNegInf = static_cast<int32_t>(0xFF800000u ^ 0x7FFFFFFFu);
+FASTCKPT_HD bool keys_finite(int32_t lo, int32_t hi) { return lo > kKeyNegInf && hi < kKeyPosInf; }
+
+// ---------------------------------------------------------------- counter-based RNG
+// u(seed, g, i) for element i of group g: a stateless hash, identical on every device and
+// independent of how the work is split. mix32 is the "lowbias32" integer hash (C. Wellons).
+FASTCKPT_HD uint32_t mix32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+inline uint32_t seed_key(int64_t seed) {
+  const uint64_t s = static_cast<uint64_t>(seed);
+  return mix32(static_cast<uint32_t>(s) ^ mix32(static_cast<uint32_t>(s >> 32) ^ 0x9E3779B9u));
+}
+FASTCKPT_HD uint32_t group_key(uint32_t seed_key, int64_t group) {
+  const uint64_t g = static_cast<uint64_t>(group);
+  return mix32(static_cast<uint32_t>(g) ^ mix32(static_cast<uint32_t>(g >> 32) ^ seed_key));
+}
+// Uniform in [0, 1) on a 2^-24 grid (exact in fp32).
+FASTCKPT_HD float uniform01(uint32_t group_key, uint32_t index_in_group) {
+  return static_cast<float>(static_cast<int32_t>(mix32(group_key + index_in_group) >> 8)) * 5.9604644775390625e-08f;
+}
+
+// ---------------------------------------------------------------- codecs
+// Each codec turns a group's min/max into parameters (make), a float into a code (encode, with u
+// the rounding offset: 0.5 for round-to-nearest, uniform [0,1) for stochastic rounding), and a
+// code back into a float (decode). Both share one interface so that every kernel serves both.
+
+// Asymmetric per-group integer codes: x ~= offset + code * scale, code in [0, 2^bits - 1].
+// Offset is rounded down and scale up to the stored 16-bit format, and codes are computed from the
+// stored values, so the grid covers [min, max] and round-to-nearest errs by at most scale / 2.
+template <int kBitsArg>
+struct AffineCodec {
+  static constexpr int kBits = kBitsArg;
+  static constexpr bool kHasOffset = true;
+  static constexpr int kMaxCode = (1 << kBits) - 1;
+  struct Params {
+    float offset, scale, inv_scale;
+    uint32_t offset_bits, scale_bits;
+    bool finite;
+  };
+
+  FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool bf16) {
+    Params p{0.f, 0.f, 0.f, kParamNaN, kParamNaN, false};
+    if (!finite) return p;
+    const uint32_t offset_bits = param_round_down(lo, bf16);
+    const float offset = param_to_float(offset_bits, bf16);
+    const float step = div_rn(sub_rn(hi, offset), static_cast<float>(kMaxCode));
+    // A floor of 2^-126 keeps 1/scale finite (constant groups decode exactly through code 0).
+    const uint32_t scale_bits = param_round_up(step > 1.17549435e-38f ? step : 1.17549435e-38f, bf16);
+    const float scale = param_to_float(scale_bits, bf16);
+    if (!is_finite_float(offset) || !is_finite_float(scale)) return p;  // out of the 16-bit range
+    return Params{offset, scale, div_rn(1.0f, scale), offset_bits, scale_bits, true};
+  }
+
+  FASTCKPT_HD static uint32_t encode(const Params& p, float x, float u) {
+    float t = mul_rn(sub_rn(x, p.offset), p.inv_scale);
+    t = t > 0.f ? t : 0.f;  // also maps NaN to 0
+    t = t < float(kMaxCode) ? t : float(kMaxCode);
+    const int32_t q = static_cast<int32_t>(add_rn(t, u));  // t + u >= 0: truncation is floor
+    return static_cast<uint32_t>(q < kMaxCode ? q : kMaxCode);
+  }
+
+  FASTCKPT_HD static float decode(float offset, float scale, uint32_t code) {
+    return add_rn(offset, mul_rn(static_cast<float>(static_cast<int32_t>(code)), scale));
+  }
+};
+
+// fp8 e4m3 codes with a power-of-two group scale 2^e, e the smallest with max|x| / 2^e <= 448:
+// scaling is exact, so each element rounds once, to e4m3's nearest (even). Stored as bf16, which
+// holds every 2^e exactly.
+struct Fp8Codec {
+  static constexpr int kBits = 8;
+  static constexpr bool kHasOffset = false;
+  static constexpr int kMinExponent = -126;  // keeps 2^e and 2^-e normal floats
+  struct Params {
+    float inv_scale, scale;
+    uint32_t offset_bits, scale_bits;  // offset_bits unused: fp8 has no offset
+    bool finite;
+  };
+
+  FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool /*bf16: always*/) {
+    if (!finite) return Params{0.f, 0.f, 0u, kParamNaN, false};
+    const uint32_t lo_abs = float_bits(lo) & 0x7FFFFFFFu, hi_abs = float_bits(hi) & 0x7FFFFFFFu;
+    const uint32_t amax = lo_abs > hi_abs ? lo_abs : hi_abs;
+    // amax = 1.m * 2^(E-127); 1.m <= 1.75 fits 448 = 1.75 * 2^8 at e = E-135, otherwise e = E-134.
+    const int32_t biased = static_cast<int32_t>(amax >> 23);
+    int32_t e = biased - ((amax & 0x7FFFFFu) <= 0x600000u ? 135 : 134);
+    e = e > kMinExponent ? e : kMinExponent;
+    return Params{float_from_bits(static_cast<uint32_t>(127 - e) << 23), float_from_bits(static_cast<uint32_t>(127 + e) << 23),
+                  0u, static_cast<uint32_t>(127 + e) << 7, true};
+  }
+
+  FASTCKPT_HD static uint32_t encode(const Params& p, float x, float /*u*/) {
+    return float_to_e4m3_bits(mul_rn(x, p.inv_scale));
+  }
+
+  FASTCKPT_HD static float decode(float /*offset*/, float scale, uint32_t code) {
+    return mul_rn(e4m3_bits_to_float(code), scale);
+  }
+};
+
+// Runs `body` with scalar_t bound to the input's C++ type (float32, float16, bfloat16 only).
+#define FASTCKPT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)             \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+// Runs `body(codec)` with the AffineCodec for `bits` (validated before).
+template <typename Body>
+void dispatch_affine_bits(int64_t bits, Body&& body) {
+  switch (bits) {
+    case 8: body(AffineCodec<8>{}); break;
+    case 4: body(AffineCodec<4>{}); break;
+    default: body(AffineCodec<2>{}); break;
+  }
+}
+
+// ---------------------------------------------------------------- layout and argument checks
+inline int64_t num_groups(int64_t numel, int64_t group_size) { return (numel + group_size - 1) / group_size; }
+inline int64_t code_bytes(int64_t numel, int64_t bits) { return (numel * bits + 7) / 8; }
+
+// fp16 inputs keep fp16 parameters (their range always fits, with 3 more mantissa bits than bf16);
+// bf16 and fp32 inputs get bf16 parameters, whose range covers fp32's, so no group can overflow them.
+inline at::ScalarType affine_param_dtype(at::ScalarType input) { return input == at::kHalf ? at::kHalf : at::kBFloat16; }
+
+inline void check_float_input(const char* op, const char* name, const at::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": ", name, " has dtype ", dtype,
+              "; supported: float32, float16, bfloat16");
+  TORCH_CHECK(t.layout() == at::kStrided, op, ": ", name, " must be a strided (dense) tensor, got layout ", t.layout());
+}
+
+inline void check_output_dtype(const char* op, at::ScalarType dtype) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, op, ": dtype ", dtype,
+              " is not supported; supported: float32, float16, bfloat16");
+}
+
+inline void check_bits_and_group(const char* op, int64_t bits, int64_t group_size) {
+  TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, op, ": bits must be 8, 4 or 2, got ", bits);
+  const int64_t per_byte = 8 / bits;
+  TORCH_CHECK(group_size > 0 && group_size % per_byte == 0, op, ": group_size must be a positive multiple of ",
+              per_byte, " for bits=", bits, " (so that every group starts on a byte), got ", group_size);
+}
+
+inline void check_group_size(const char* op, int64_t group_size) {
+  TORCH_CHECK(group_size > 0, op, ": group_size must be positive, got ", group_size);
+}
+
+inline int64_t shape_numel(const char* op, at::IntArrayRef shape) {
+  int64_t numel = 1;
+  for (auto s : shape) {
+    TORCH_CHECK(s >= 0, op, ": shape has a negative size ", s);
+    numel *= s;
+  }
+  return numel;
+}
+
+inline void check_params(const char* op, const char* name, const at::Tensor& param, int64_t groups,
+                         const at::Tensor& codes) {
+  TORCH_CHECK(param.scalar_type() == at::kHalf || param.scalar_type() == at::kBFloat16, op, ": ", name, " has dtype ",
+              param.scalar_type(), "; expected float16 or bfloat16 as returned by the quantize op");
+  TORCH_CHECK(param.dim() == 1 && param.numel() == groups, op, ": ", name, " must be 1-D with one entry per group (",
+              groups, "), got shape ", param.sizes());
+  TORCH_CHECK(param.device() == codes.device(), op, ": ", name, " is on ", param.device(), " but codes are on ",
+              codes.device());
+}
+
+inline void check_codes(const char* op, const at::Tensor& codes, at::ScalarType expected, int64_t bytes,
+                        at::IntArrayRef shape, int64_t bits) {
+  TORCH_CHECK(codes.scalar_type() == expected, op, ": codes have dtype ", codes.scalar_type(), "; expected ", expected,
+              " as returned by the quantize op");
+  TORCH_CHECK(codes.dim() == 1 && codes.numel() == bytes, op, ": codes must be 1-D with ", bytes,
+              " entries for shape ", shape, " at ", bits, " bits, got shape ", codes.sizes());
+}
+
+}  // namespace quant
+}  // namespace fastckpt
