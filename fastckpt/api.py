@@ -108,25 +108,16 @@ def _run(
     )
 
 
-def _storage(policy: Policy) -> SegmentStorage:
-    if policy.codec is not None:
-        raise ValueError(
-            f"policy={str(policy)!r}: the {policy.codec} codec is not in this build of fastckpt yet; "
-            "use 'recompute', 'save', 'offload' or 'recompute+offload'"
-        )
-    return SegmentStorage(policy)
-
-
 def _input_hooks(policy: Policy) -> Callable[[], Any] | None:
     """Saved-tensor hooks through which a recompute policy stores the segment's inputs (None: plainly)."""
     if policy.is_stock:
         return None
-    return _storage(policy).hooks
+    return SegmentStorage(policy).hooks
 
 
 def _run_stored(function: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy) -> Any:
     """A storage policy: no recompute; every tensor saved for backward goes through the policy's storage."""
-    with _storage(policy).hooks():
+    with SegmentStorage(policy).hooks():
         return function(*args, **kwargs)
 
 

@@ -21,13 +21,14 @@ class Policy:
         go through `codec`/`offload`. Without it, every tensor the segment saves for backward does.
     codec: one of CODECS, or None for exact storage.
     offload: keep stored tensors in host memory until backward.
-    group_size, stochastic_rounding, min_tensor_bytes, rule: tuning of the storage engine.
+    group_size (None: the codec's default), stochastic_rounding, min_tensor_bytes, rule (tensor -> Policy or
+        None, a per-tensor override): tuning of the storage engine.
     """
 
     recompute: bool = True
     codec: str | None = None
     offload: bool = False
-    group_size: int = 64
+    group_size: int | None = None
     stochastic_rounding: bool = False
     min_tensor_bytes: int = 4096
     rule: Callable[[torch.Tensor], Policy | None] | None = None
@@ -35,8 +36,11 @@ class Policy:
     def __post_init__(self) -> None:
         if self.codec is not None and self.codec not in CODECS:
             raise ValueError(f"Policy: codec={self.codec!r} is not one of {list(CODECS)} (or None for exact storage)")
-        if self.group_size <= 0:
-            raise ValueError(f"Policy: group_size must be a positive integer, got {self.group_size}")
+        if self.group_size is not None and self.group_size <= 0:
+            raise ValueError(
+                f"Policy: group_size must be a positive integer (or None for the codec's default), "
+                f"got {self.group_size}"
+            )
         if self.min_tensor_bytes < 0:
             raise ValueError(f"Policy: min_tensor_bytes must be >= 0, got {self.min_tensor_bytes}")
 

@@ -8,6 +8,7 @@ The same tensor saved by several ops is stored once.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from typing import Any
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from fastckpt.policy import Policy
-from fastckpt.storage import offload
+from fastckpt.storage import codecs, offload
 from fastckpt.storage.accounting import SegmentRecord, current_report
 
 _STORABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -37,7 +38,8 @@ def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
         return "tensor subclass"
     if t.layout != torch.strided or t.is_nested:
         return "not a dense tensor"
-    if t.dtype not in _STORABLE_DTYPES:
+    masks_allowed = policy.codec is not None and t.dtype == torch.bool  # dropout masks: 1 bit each, exact
+    if t.dtype not in _STORABLE_DTYPES and not masks_allowed:
         return f"dtype {t.dtype}"
     if _is_parameter_like(t):
         return "parameter"
@@ -47,16 +49,14 @@ def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
 
 
 class _Stored:
-    """One tensor as the policy keeps it, with what is needed to rebuild it."""
+    """One tensor as the policy keeps it: its tensors (plain, or a codec's payload), maybe on host."""
 
-    __slots__ = ("payload", "shape", "dtype", "device", "host_copy")
+    __slots__ = ("encoded", "tensors", "on_host")
 
-    def __init__(self, payload: Any, shape: torch.Size, dtype: torch.dtype, device: torch.device, host_copy: Any):
-        self.payload = payload
-        self.shape = shape
-        self.dtype = dtype
-        self.device = device
-        self.host_copy = host_copy
+    def __init__(self, encoded: codecs.Encoded | None, tensors: tuple, on_host: bool) -> None:
+        self.encoded = encoded
+        self.tensors = tensors
+        self.on_host = on_host
 
 
 class SegmentStorage:
@@ -95,13 +95,18 @@ class SegmentStorage:
         return stored
 
     def _store(self, t: torch.Tensor, policy: Policy) -> _Stored:
-        payload = t.detach()
+        t = t.detach()
+        codec = "mask" if t.dtype == torch.bool else policy.codec
+        encoded = codecs.encode(t, codec, policy.group_size, policy.stochastic_rounding) if codec else None
+        tensors = encoded.payload if encoded else (t,)
+        nbytes = sum(_nbytes(x) for x in tensors)
+        if codec:
+            self.record.codecs.add(codec)
         if policy.offload and t.device.type != "cpu":
-            host = offload.to_host(payload)
-            self.record.host_bytes += _nbytes(payload)
-            return _Stored(None, t.shape, t.dtype, t.device, host)
-        self.record.device_bytes += _nbytes(payload)
-        return _Stored(payload, t.shape, t.dtype, t.device, None)
+            self.record.host_bytes += nbytes
+            return _Stored(encoded, tuple(offload.to_host(x) for x in tensors), on_host=True)
+        self.record.device_bytes += nbytes
+        return _Stored(encoded, tensors, on_host=False)
 
     def unpack(self, stored: Any) -> torch.Tensor:
         if not isinstance(stored, _Stored):
@@ -110,6 +115,7 @@ class SegmentStorage:
         report = current_report()
         if report is not None:
             report.add(self.record)
-        tensor = offload.to_device(stored.host_copy) if stored.host_copy is not None else stored.payload
+        tensors = tuple(offload.to_device(x) for x in stored.tensors) if stored.on_host else stored.tensors
+        tensor = codecs.decode(dataclasses.replace(stored.encoded, payload=tensors)) if stored.encoded else tensors[0]
         self.record.unpack_seconds += time.perf_counter() - start
         return tensor
