@@ -36,6 +36,10 @@ class Policy:
     def __post_init__(self) -> None:
         if self.codec is not None and self.codec not in CODECS:
             raise ValueError(f"Policy: codec={self.codec!r} is not one of {list(CODECS)} (or None for exact storage)")
+        if self.stochastic_rounding and self.codec not in ("int8", "int4", "int2"):
+            raise ValueError(
+                f"Policy: stochastic_rounding applies to the int8/int4/int2 codecs, not to codec={self.codec!r}"
+            )
         if self.group_size is not None and self.group_size <= 0:
             raise ValueError(
                 f"Policy: group_size must be a positive integer (or None for the codec's default), "

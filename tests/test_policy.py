@@ -48,6 +48,8 @@ def test_bad_types_and_fields():
         Policy.parse(4)
     with pytest.raises(ValueError, match="group_size"):
         Policy(group_size=0)
+    with pytest.raises(ValueError, match="stochastic_rounding applies to the int8/int4/int2 codecs"):
+        Policy(recompute=False, codec="fp8", stochastic_rounding=True)
     with pytest.raises(ValueError, match="codec='int5'"):
         Policy(codec="int5")
     assert set(CODECS) == {"int8", "fp8", "int4", "int2"}

@@ -15,6 +15,7 @@ class SegmentRecord:
     policy: str
     tensors: int = 0
     raw_bytes: int = 0  # bytes the saved tensors would occupy stored plainly
+    raw_elements: int = 0
     device_bytes: int = 0  # bytes kept on the accelerator (or in CPU memory for CPU tensors)
     host_bytes: int = 0  # bytes offloaded to host memory
     pack_seconds: float = 0.0
@@ -24,6 +25,11 @@ class SegmentRecord:
     @property
     def stored_bytes(self) -> int:
         return self.device_bytes + self.host_bytes
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per saved element (codec payloads, scales and offsets included)."""
+        return 8 * self.stored_bytes / self.raw_elements if self.raw_elements else float("nan")
 
 
 @dataclass
@@ -48,6 +54,13 @@ class Report:
     @property
     def host_bytes(self) -> int:
         return sum(s.host_bytes for s in self.segments)
+
+    @property
+    def bits_per_element(self) -> float:
+        """Stored bits per saved element over all segments."""
+        elements = sum(s.raw_elements for s in self.segments)
+        stored = sum(s.stored_bytes for s in self.segments)
+        return 8 * stored / elements if elements else float("nan")
 
     def table(self) -> str:
         """A text table, one line per segment."""

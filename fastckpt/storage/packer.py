@@ -89,6 +89,7 @@ class SegmentStorage:
         first_saved, stored = self._stored_by_key.get(key, (None, None))
         if stored is None or first_saved() is None:
             record.raw_bytes += _nbytes(t)
+            record.raw_elements += t.numel()
             stored = self._store(t, policy)
             self._stored_by_key[key] = (weakref.ref(t), stored)
         record.pack_seconds += time.perf_counter() - start

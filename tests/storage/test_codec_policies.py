@@ -36,8 +36,9 @@ def rel_l2(a, b):
 def test_stored_bits_per_element_meet_targets(codec):
     _, report = mlp_step(codec)
     (segment,) = report.segments
-    bpe = 8 * segment.stored_bytes / (segment.raw_bytes / 4)  # raw elements are fp32
-    assert bpe <= BPE_TARGET[codec], f"{codec}: {bpe:.2f} bits per element"
+    assert segment.raw_elements == segment.raw_bytes // 4  # all fp32
+    bpe = segment.bits_per_element
+    assert bpe == report.bits_per_element and bpe <= BPE_TARGET[codec], f"{codec}: {bpe:.2f} bits per element"
     assert segment.codecs == {codec}
 
 
