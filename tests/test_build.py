@@ -55,3 +55,20 @@ def test_mismatched_build_is_reported_with_rebuild_command(monkeypatch):
         monkeypatch.undo()
         _extension._load()
     assert _extension.load_error() is None
+
+
+def test_package_imports_without_the_compiled_library():
+    code = (
+        "import sys; sys.modules['fastckpt._C'] = None\n"  # makes `import fastckpt._C` fail
+        "import torch, fastckpt, fastckpt.info\n"
+        "assert 'NOT LOADED' in fastckpt.info.report() and 'make build' in fastckpt.info.report()\n"
+        "x = torch.randn(3, requires_grad=True)\n"
+        "fastckpt.checkpoint(torch.sin, x).sum().backward()\n"  # the pure-Python engine still works
+        "try:\n"
+        "    fastckpt.checkpoint(torch.sin, x, use_reentrant=True)\n"
+        "except ImportError as err:\n"
+        "    assert 'make build' in str(err)\n"
+        "else:\n"
+        "    raise AssertionError('reentrant mode ran without fastckpt._C')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -11,8 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from fastckpt import ops
-
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 _stochastic_seeds = itertools.count(1)  # a counter, never the torch RNG: the caller's stream stays untouched
 
@@ -34,6 +32,8 @@ class Encoded:
 
 def encode(t: torch.Tensor, codec: str, group_size: int | None, stochastic: bool) -> Encoded:
     """Compress `t` with `codec` ('int8', 'int4', 'int2', 'fp8', or 'mask' for bool tensors)."""
+    from fastckpt import ops  # here, not at import: `import fastckpt` must work without the compiled ops
+
     if codec == "mask":
         return Encoded("mask", (ops.pack_bits(t),), 0, t.dtype, t.shape)
     if codec == "fp8":
@@ -47,6 +47,8 @@ def encode(t: torch.Tensor, codec: str, group_size: int | None, stochastic: bool
 
 def decode(e: Encoded) -> torch.Tensor:
     """Rebuild the (approximate, or exact for masks) tensor."""
+    from fastckpt import ops
+
     if e.codec == "mask":
         return ops.unpack_bits(e.payload[0], e.shape)
     if e.codec == "fp8":
