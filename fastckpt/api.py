@@ -129,7 +129,8 @@ def checkpoint_sequential(
     policy: str | Policy | None = None,
     **kwargs: Any,
 ) -> Any:
-    """Split `functions` into `segments` chunks and checkpoint each but the last (torch's layout)."""
+    """Split `functions` into `segments` chunks and checkpoint them: all but the last for recompute policies
+    (torch's layout), all of them for storage policies."""
     preserve_rng_state = kwargs.pop("preserve_rng_state", True)
     if kwargs:
         raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
@@ -163,8 +164,10 @@ def checkpoint_sequential(
             preserve_rng_state=preserve_rng_state,
             policy=policy,
         )
-    last_start = size * (segments - 1)
-    return run(last_start, len(functions))(input)
+    last = run(size * (segments - 1), len(functions))
+    if resolve(policy).recompute:
+        return last(input)  # as torch: recomputing the last segment right after its forward gains nothing
+    return checkpoint(last, input, use_reentrant=use_reentrant, policy=policy)  # stored policies save here too
 
 
 class CheckpointWrapper(torch.nn.Module):

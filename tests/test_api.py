@@ -56,3 +56,12 @@ def test_default_policy_reaches_calls():
     assert len(calls) == 1  # stored, not recomputed
     fastckpt.checkpoint(fn, x).sum().backward()
     assert len(calls) == 3  # default recompute again outside the block
+
+
+@pytest.mark.parametrize("policy, stored_segments", [("recompute+int8", 2), ("int8", 3)])
+def test_checkpoint_sequential_applies_storage_policies_to_every_segment(policy, stored_segments):
+    seq = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(6)])
+    x = torch.randn(32, 64, requires_grad=True) * 1
+    with fastckpt.track() as report:
+        fastckpt.checkpoint_sequential(seq, 3, x, policy=policy).sum().backward()
+    assert len(report.segments) == stored_segments
