@@ -155,7 +155,6 @@ def checkpoint_sequential(
         return forward
 
     size = len(functions) // segments
-    start = 0
     for start in range(0, size * (segments - 1), size):
         input = checkpoint(
             run(start, start + size),
