@@ -6,11 +6,12 @@
 //   groups      ceil(N / G); group g holds elements [g*G, min((g+1)*G, N)).
 //   codes       uint8, ceil(N * bits / 8) bytes; element i lives in byte i*bits/8 at bit offset
 //               (i % (8/bits)) * bits (little-endian, as pack_bits). G is a multiple of 8/bits, so
-//               every group starts on a byte boundary. fp8 codes are float8_e4m3fn, one per element.
+//               every group starts on a byte boundary. fp8 codes are float8_e4m3fn bit patterns, one byte each.
 //   scale/offset one 16-bit float per group (affine: fp16 for fp16 inputs, bf16 otherwise; fp8: a
 //               power-of-two scale in bf16). x ~= offset + code * scale (affine), code * scale (fp8).
-//   A group holding NaN or +-Inf (or whose scale/offset would not fit the 16-bit format) stores
-//   scale = offset = NaN and codes 0, so every element of that group decodes to NaN.
+//   A group holding NaN or +-Inf stores scale = offset = NaN and codes 0, so every element of that
+//   group decodes to NaN. So does a group whose offset or scale has no 16-bit value (only float32
+//   inputs: a minimum below -3.39e38, bfloat16's lowest, or a max - min beyond float32's range).
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>

@@ -233,7 +233,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_fp8_per_group_cpu(const at::Tensor& 
   check_float_input(op, "x", x);
   check_group_size(op, group_size);
   const auto src = x.contiguous();
-  auto codes = at::empty({src.numel()}, x.options().dtype(at::kFloat8_e4m3fn));
+  auto codes = at::empty({src.numel()}, x.options().dtype(at::kByte));
   auto scale = at::empty({num_groups(src.numel(), group_size)}, x.options().dtype(at::kBFloat16));
   quantize_cpu_impl<Fp8Codec>(src, codes, scale, nullptr, group_size, false, 0);
   return {codes, scale};
@@ -245,7 +245,7 @@ at::Tensor dequantize_fp8_per_group_cpu(const at::Tensor& codes, const at::Tenso
   check_group_size(op, group_size);
   check_output_dtype(op, dtype);
   const int64_t numel = shape_numel(op, shape);
-  check_codes(op, codes, at::kFloat8_e4m3fn, numel, shape, 8);
+  check_codes(op, codes, at::kByte, numel, shape, 8);
   check_params(op, "scale", scale, num_groups(numel, group_size), codes);
   return dequantize_cpu_impl<Fp8Codec>(codes, scale, nullptr, group_size, dtype, shape, numel);
 }
