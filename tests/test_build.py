@@ -15,7 +15,17 @@ def test_extension_loaded_for_this_torch():
     assert _extension.extension().built_with_torch == torch.__version__
 
 
-@pytest.mark.parametrize("op", ["fastckpt::pack_bits", "fastckpt::unpack_bits"])
+@pytest.mark.parametrize(
+    "op",
+    [
+        "fastckpt::pack_bits",
+        "fastckpt::unpack_bits",
+        "fastckpt::quantize_per_group",
+        "fastckpt::dequantize_per_group",
+        "fastckpt::quantize_fp8_per_group",
+        "fastckpt::dequantize_fp8_per_group",
+    ],
+)
 def test_ops_have_cpu_kernels_and_cuda_kernels_when_compiled(op):
     kernels = info.kernels_by_op()
     assert op in kernels

@@ -6,11 +6,12 @@
 //   groups      ceil(N / G); group g holds elements [g*G, min((g+1)*G, N)).
 //   codes       uint8, ceil(N * bits / 8) bytes; element i lives in byte i*bits/8 at bit offset
 //               (i % (8/bits)) * bits (little-endian, as pack_bits). G is a multiple of 8/bits, so
-//               every group starts on a byte boundary. fp8 codes are float8_e4m3fn, one per element.
+//               every group starts on a byte boundary. fp8 codes are float8_e4m3fn bit patterns, one byte each.
 //   scale/offset one 16-bit float per group (affine: fp16 for fp16 inputs, bf16 otherwise; fp8: a
 //               power-of-two scale in bf16). x ~= offset + code * scale (affine), code * scale (fp8).
-//   A group holding NaN or +-Inf (or whose scale/offset would not fit the 16-bit format) stores
-//   scale = offset = NaN and codes 0, so every element of that group decodes to NaN.
+//   A group holding NaN or +-Inf stores scale = offset = NaN and codes 0, so every element of that
+//   group decodes to NaN. So does a group whose offset or scale has no 16-bit value (only float32
+//   inputs: a minimum below -3.39e38, bfloat16's lowest, or a max - min beyond float32's range).
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -377,6 +378,62 @@ inline void check_codes(const char* op, const at::Tensor& codes, at::ScalarType 
               " as returned by the quantize op");
   TORCH_CHECK(codes.dim() == 1 && codes.numel() == bytes, op, ": codes must be 1-D with ", bytes,
               " entries for shape ", shape, " at ", bits, " bits, got shape ", codes.sizes());
+}
+
+// Validated contiguous input and freshly allocated outputs of a quantize op, the same on every device.
+struct QuantizeBuffers {
+  at::Tensor src, codes, scale, offset;  // offset stays undefined for fp8
+};
+
+inline QuantizeBuffers prepare_quantize_per_group(const at::Tensor& x, int64_t bits, int64_t group_size) {
+  constexpr const char* op = "quantize_per_group";
+  check_float_input(op, "x", x);
+  check_bits_and_group(op, bits, group_size);
+  QuantizeBuffers b;
+  b.src = x.contiguous();
+  b.codes = at::empty({code_bytes(b.src.numel(), bits)}, x.options().dtype(at::kByte));
+  b.scale = at::empty({num_groups(b.src.numel(), group_size)}, x.options().dtype(affine_param_dtype(x.scalar_type())));
+  b.offset = at::empty_like(b.scale);
+  return b;
+}
+
+inline QuantizeBuffers prepare_quantize_fp8(const at::Tensor& x, int64_t group_size) {
+  constexpr const char* op = "quantize_fp8_per_group";
+  check_float_input(op, "x", x);
+  check_group_size(op, group_size);
+  QuantizeBuffers b;
+  b.src = x.contiguous();
+  b.codes = at::empty({b.src.numel()}, x.options().dtype(at::kByte));
+  b.scale = at::empty({num_groups(b.src.numel(), group_size)}, x.options().dtype(at::kBFloat16));
+  return b;
+}
+
+// Validates dequantize_per_group's arguments; returns the number of elements to rebuild.
+inline int64_t check_dequantize_per_group(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
+                                          int64_t bits, int64_t group_size, at::ScalarType dtype,
+                                          at::IntArrayRef shape) {
+  constexpr const char* op = "dequantize_per_group";
+  check_bits_and_group(op, bits, group_size);
+  check_output_dtype(op, dtype);
+  const int64_t numel = shape_numel(op, shape);
+  check_codes(op, codes, at::kByte, code_bytes(numel, bits), shape, bits);
+  check_params(op, "scale", scale, num_groups(numel, group_size), codes);
+  check_params(op, "offset", offset, num_groups(numel, group_size), codes);
+  TORCH_CHECK(scale.scalar_type() == offset.scalar_type(), op, ": scale (", scale.scalar_type(), ") and offset (",
+              offset.scalar_type(), ") must have the same dtype");
+  return numel;
+}
+
+// Validates dequantize_fp8_per_group's arguments; returns the number of elements to rebuild.
+inline int64_t check_dequantize_fp8(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
+                                    at::ScalarType dtype, at::IntArrayRef shape) {
+  constexpr const char* op = "dequantize_fp8_per_group";
+  check_group_size(op, group_size);
+  check_output_dtype(op, dtype);
+  const int64_t numel = shape_numel(op, shape);
+  check_codes(op, codes, at::kByte, numel, shape, 8);
+  check_params(op, "scale", scale, num_groups(numel, group_size), codes);
+  return numel;
 }
 
 }  // namespace quant

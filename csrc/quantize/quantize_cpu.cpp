@@ -197,30 +197,16 @@ at::Tensor dequantize_cpu_impl(const at::Tensor& codes, const at::Tensor& scale,
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_group_cpu(const at::Tensor& x, int64_t bits,
                                                                       int64_t group_size, bool stochastic,
                                                                       int64_t seed) {
-  constexpr const char* op = "quantize_per_group";
-  check_float_input(op, "x", x);
-  check_bits_and_group(op, bits, group_size);
-  const auto src = x.contiguous();
-  auto codes = at::empty({code_bytes(src.numel(), bits)}, x.options().dtype(at::kByte));
-  auto scale = at::empty({num_groups(src.numel(), group_size)}, x.options().dtype(affine_param_dtype(x.scalar_type())));
-  auto offset = at::empty_like(scale);
+  auto b = prepare_quantize_per_group(x, bits, group_size);
   dispatch_affine_bits(bits, [&](auto codec) {
-    quantize_cpu_impl<decltype(codec)>(src, codes, scale, &offset, group_size, stochastic, seed);
+    quantize_cpu_impl<decltype(codec)>(b.src, b.codes, b.scale, &b.offset, group_size, stochastic, seed);
   });
-  return {codes, scale, offset};
+  return {b.codes, b.scale, b.offset};
 }
 
 at::Tensor dequantize_per_group_cpu(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                                     int64_t bits, int64_t group_size, at::ScalarType dtype, at::IntArrayRef shape) {
-  constexpr const char* op = "dequantize_per_group";
-  check_bits_and_group(op, bits, group_size);
-  check_output_dtype(op, dtype);
-  const int64_t numel = shape_numel(op, shape);
-  check_codes(op, codes, at::kByte, code_bytes(numel, bits), shape, bits);
-  check_params(op, "scale", scale, num_groups(numel, group_size), codes);
-  check_params(op, "offset", offset, num_groups(numel, group_size), codes);
-  TORCH_CHECK(scale.scalar_type() == offset.scalar_type(), op, ": scale (", scale.scalar_type(), ") and offset (",
-              offset.scalar_type(), ") must have the same dtype");
+  const int64_t numel = check_dequantize_per_group(codes, scale, offset, bits, group_size, dtype, shape);
   at::Tensor out;
   dispatch_affine_bits(bits, [&](auto codec) {
     out = dequantize_cpu_impl<decltype(codec)>(codes, scale, &offset, group_size, dtype, shape, numel);
@@ -229,24 +215,14 @@ at::Tensor dequantize_per_group_cpu(const at::Tensor& codes, const at::Tensor& s
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_per_group_cpu(const at::Tensor& x, int64_t group_size) {
-  constexpr const char* op = "quantize_fp8_per_group";
-  check_float_input(op, "x", x);
-  check_group_size(op, group_size);
-  const auto src = x.contiguous();
-  auto codes = at::empty({src.numel()}, x.options().dtype(at::kFloat8_e4m3fn));
-  auto scale = at::empty({num_groups(src.numel(), group_size)}, x.options().dtype(at::kBFloat16));
-  quantize_cpu_impl<Fp8Codec>(src, codes, scale, nullptr, group_size, false, 0);
-  return {codes, scale};
+  auto b = prepare_quantize_fp8(x, group_size);
+  quantize_cpu_impl<Fp8Codec>(b.src, b.codes, b.scale, nullptr, group_size, false, 0);
+  return {b.codes, b.scale};
 }
 
 at::Tensor dequantize_fp8_per_group_cpu(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
                                         at::ScalarType dtype, at::IntArrayRef shape) {
-  constexpr const char* op = "dequantize_fp8_per_group";
-  check_group_size(op, group_size);
-  check_output_dtype(op, dtype);
-  const int64_t numel = shape_numel(op, shape);
-  check_codes(op, codes, at::kFloat8_e4m3fn, numel, shape, 8);
-  check_params(op, "scale", scale, num_groups(numel, group_size), codes);
+  const int64_t numel = check_dequantize_fp8(codes, scale, group_size, dtype, shape);
   return dequantize_cpu_impl<Fp8Codec>(codes, scale, nullptr, group_size, dtype, shape, numel);
 }
 

@@ -50,7 +50,7 @@ def dequantize_per_group(
 def quantize_fp8_per_group(
     x: torch.Tensor, group_size: int = FP8_DEFAULT_GROUP_SIZE
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Store x as float8_e4m3fn codes with a power-of-two bf16 scale per group; returns (codes, scale)."""
+    """Store x as e4m3 codes (uint8 bit patterns) with a power-of-two bf16 scale per group; returns (codes, scale)."""
     return torch.ops.fastckpt.quantize_fp8_per_group.default(x, group_size)
 
 
@@ -89,7 +89,7 @@ def _dequantize_per_group_fake(
 
 @torch.library.register_fake("fastckpt::quantize_fp8_per_group")
 def _quantize_fp8_per_group_fake(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    codes = x.new_empty((x.numel(),), dtype=torch.float8_e4m3fn)
+    codes = x.new_empty((x.numel(),), dtype=torch.uint8)
     return codes, x.new_empty((_num_groups(x.numel(), group_size),), dtype=torch.bfloat16)
 
 

@@ -167,7 +167,7 @@ def dequantize_per_group_ref(
 
 
 def quantize_fp8_per_group_ref(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference of fastckpt::quantize_fp8_per_group: (float8_e4m3fn codes, power-of-two bf16 scale)."""
+    """Reference of fastckpt::quantize_fp8_per_group: (e4m3 codes as uint8, power-of-two bf16 scale)."""
     values, lo, hi, finite = _grouped(x, group_size)
     amax = torch.maximum(lo.view(torch.int32) & 0x7FFFFFFF, hi.view(torch.int32) & 0x7FFFFFFF)
     # the smallest e with amax / 2^e <= 448 = 1.75 * 2^8, read off amax's exponent and mantissa bits
@@ -178,12 +178,12 @@ def quantize_fp8_per_group_ref(x: torch.Tensor, group_size: int) -> tuple[torch.
     codes = (values * inv_scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
     codes = torch.where(finite[:, None], codes, 0).reshape(-1)[: x.numel()]
     nan = _bits16_to(torch.full_like(finite, _PARAM_NAN, dtype=torch.int32), torch.bfloat16)
-    return codes.view(torch.float8_e4m3fn), torch.where(finite, scale, nan)
+    return codes, torch.where(finite, scale, nan)
 
 
 def dequantize_fp8_per_group_ref(
     codes: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype, shape: list[int]
 ) -> torch.Tensor:
     """Reference of fastckpt::dequantize_fp8_per_group: code * scale in float32, rounded to dtype."""
-    values = codes.float() * _per_element(scale, group_size, codes.numel())
+    values = codes.view(torch.float8_e4m3fn).float() * _per_element(scale, group_size, codes.numel())
     return values.to(dtype).view(shape)

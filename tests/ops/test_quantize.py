@@ -1,0 +1,204 @@
+"""quantize_per_group / dequantize_per_group: bit-identical to the reference on every device, within
+half a step when rounding to nearest, unbiased when rounding stochastically, NaN/Inf never hidden."""
+
+import math
+
+import pytest
+import torch
+from quant_helpers import (
+    DEVICES,
+    DTYPES,
+    SHAPES,
+    assert_bitwise_equal,
+    half_ulp,
+    hard_groups,
+    per_element,
+    sample,
+    stored_bits_per_element,
+)
+
+from fastckpt.ops import DEFAULT_GROUP_SIZE, dequantize_per_group, quantize_per_group
+from fastckpt.ops.reference import dequantize_per_group_ref, quantize_per_group_ref
+
+BITS = [8, 4, 2]
+GROUP_SIZES = [4, 36, 64, 128]  # multiples of 4, valid for every bit width; 36 is no power of two
+FP32_EPS = torch.finfo(torch.float32).eps
+
+
+def round_trip(x, bits, group_size, stochastic=False, seed=0, dtype=None):
+    stored = quantize_per_group(x, bits, group_size, stochastic, seed)
+    return stored, dequantize_per_group(*stored, bits, group_size, dtype or x.dtype, x.shape)
+
+
+def steps_and_evaluation_error(stored, bits, group_size, numel):
+    """Per element: the quantization step, and the float32 error of the arithmetic around it."""
+    _, scale, offset = (t.cpu() for t in stored)
+    step = per_element(scale, group_size, numel)
+    # quantize and decode run a handful of float32 operations on values up to |offset| + max_code * step
+    evaluation = 4 * FP32_EPS * (per_element(offset, group_size, numel).abs() + ((1 << bits) - 1) * step)
+    return step, evaluation
+
+
+def assert_within_half_step(x, stored, y, bits, group_size):
+    """|x - y| <= scale/2, plus float32 evaluation error and the rounding of y into its dtype."""
+    step, evaluation = steps_and_evaluation_error(stored, bits, group_size, x.numel())
+    y64 = y.cpu().reshape(-1).double()
+    error = (x.cpu().reshape(-1).double() - y64).abs()
+    bound = step / 2 + evaluation + half_ulp(y64, y.dtype)
+    worst = int(torch.argmax(error - bound))
+    assert (error <= bound).all(), f"element {worst}: error {error[worst]:.3g} > bound {bound[worst]:.3g}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group_size", GROUP_SIZES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_kernel_matches_reference_bit_for_bit(bits, dtype, group_size, shape, stochastic, device):
+    x = sample(shape, dtype, device)
+    stored, y = round_trip(x, bits, group_size, stochastic, seed=1234)
+    expected = quantize_per_group_ref(x.cpu(), bits, group_size, stochastic, seed=1234)
+    assert_bitwise_equal(stored, expected)
+    assert y.dtype == dtype and y.shape == x.shape and y.device == x.device
+    assert_bitwise_equal((y,), (dequantize_per_group_ref(*expected, bits, group_size, dtype, list(shape)),))
+    if device == "cuda":  # the CUDA kernels agree with the CPU kernels, too
+        cpu_stored, cpu_y = round_trip(x.cpu(), bits, group_size, stochastic, seed=1234)
+        assert_bitwise_equal(stored + (y,), cpu_stored + (cpu_y,))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_round_to_nearest_errs_by_at_most_half_a_step(bits, dtype, device):
+    group_size = 64
+    x = torch.cat([hard_groups(dtype, group_size).reshape(-1), sample((50 * group_size + 17,), dtype, "cpu")])
+    x = x.to(device)
+    stored, y = round_trip(x, bits, group_size)
+    assert torch.isfinite(y).all()
+    assert_within_half_step(x, stored, y, bits, group_size)
+    # decoding ordinary data into another dtype only adds that dtype's own rounding
+    x = x[hard_groups(dtype, group_size).numel() :]
+    stored = quantize_per_group(x, bits, group_size)
+    for out_dtype in DTYPES:
+        y = dequantize_per_group(*stored, bits, group_size, out_dtype, x.shape)
+        assert_within_half_step(x, stored, y, bits, group_size)
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_stochastic_rounding_is_unbiased_and_reproducible(bits):
+    group_size, seeds = 64, 1000
+    x = sample((4 * group_size,), torch.float32, "cpu")
+    stored, _ = round_trip(x, bits, group_size, stochastic=True, seed=0)
+    step, evaluation = steps_and_evaluation_error(stored, bits, group_size, x.numel())
+    total = torch.zeros(x.numel(), dtype=torch.float64)
+    for seed in range(seeds):
+        _, y = round_trip(x, bits, group_size, stochastic=True, seed=seed)
+        error = (y.double() - x.double()).abs()
+        assert (error <= step + evaluation).all(), "stochastic rounding moved a value by more than one step"
+        total += y.double()
+    # One draw has variance <= step^2 / 4, so the mean's standard deviation is <= step / (2 sqrt(seeds)):
+    # a 5-sigma band, while rounding to nearest would miss by up to step / 2 (~30 sigma here).
+    bias = (total / seeds - x.double()).abs()
+    assert (bias <= 5 * step / (2 * math.sqrt(seeds))).all(), f"max bias {float((bias / step).max()):.3f} steps"
+
+    again = quantize_per_group(x, bits, group_size, True, 7)
+    assert_bitwise_equal(again, quantize_per_group(x, bits, group_size, True, 7))
+    assert not torch.equal(again[0], quantize_per_group(x, bits, group_size, True, 8)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_nan_and_inf_turn_their_whole_group_into_nan(bits, dtype, device):
+    x = sample((5, 64), dtype, "cpu")
+    x[1, 5], x[2, 0], x[3, 63] = float("nan"), float("inf"), float("-inf")
+    x = x.to(device)
+    stored, y = round_trip(x, bits, 64)
+    assert y[1:4].isnan().all()
+    assert torch.isfinite(y[0]).all() and torch.isfinite(y[4]).all()
+    healthy = torch.stack([x[0], x[4]])
+    y_healthy = dequantize_per_group(*quantize_per_group(healthy, bits, 64), bits, 64, dtype, healthy.shape)
+    assert torch.equal(torch.stack([y[0], y[4]]), y_healthy)  # other groups are untouched
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_groups_beyond_the_scale_format_decode_to_nan_not_garbage(device):
+    below_bf16 = torch.full((64,), -3.4e38)  # finite in float32, no bfloat16 offset <= it exists
+    range_overflows = torch.tensor([-3e38, 3e38]).repeat(32)  # max - min overflows float32
+    for x in (below_bf16, range_overflows):
+        _, y = round_trip(x.to(device), 8, 64)
+        assert y.isnan().all()
+    above_bf16 = torch.full((64,), 3.4e38, device=device)  # the offset rounds down to bfloat16's max: fine
+    stored, y = round_trip(above_bf16, 8, 64)
+    assert_within_half_step(above_bf16, stored, y, 8, 64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", BITS)
+def test_non_contiguous_inputs_quantize_like_their_contiguous_copy(bits, device):
+    base = sample((64, 50), torch.bfloat16, device)
+    for view in (base.t(), base[:, 3:41], base[5:], base[::2, ::3]):
+        expected = quantize_per_group(view.contiguous(), bits, 16)
+        assert_bitwise_equal(quantize_per_group(view, bits, 16), expected)
+        assert_bitwise_equal(expected, quantize_per_group_ref(view.cpu(), bits, 16))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits, target", [(8, 8.5), (4, 4.5), (2, 2.5)])
+def test_default_group_sizes_meet_the_storage_targets(bits, target, dtype):
+    x = sample((1 << 16,), dtype, "cpu")
+    assert stored_bits_per_element(quantize_per_group(x, bits), x.numel()) <= target
+    assert DEFAULT_GROUP_SIZE[bits] * bits % 8 == 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_opcheck(stochastic, device):
+    x = sample((5, 13), torch.float16, device)
+    torch.library.opcheck(torch.ops.fastckpt.quantize_per_group.default, (x, 4, 8, stochastic, 7))
+    stored = quantize_per_group(x, 4, 8)
+    torch.library.opcheck(torch.ops.fastckpt.dequantize_per_group.default, (*stored, 4, 8, torch.float32, [5, 13]))
+
+
+def test_bad_inputs_name_the_argument_and_what_is_valid():
+    x = torch.randn(64)
+    with pytest.raises(RuntimeError, match="x has dtype Double; supported: float32, float16, bfloat16"):
+        quantize_per_group(x.double(), 4)
+    with pytest.raises(RuntimeError, match="x has dtype Long"):
+        quantize_per_group(torch.ones(64, dtype=torch.int64), 4)
+    with pytest.raises(RuntimeError, match="bits must be 8, 4 or 2, got 3"):
+        quantize_per_group(x, 3, 64)
+    with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 2 for bits=4.*got 0"):
+        quantize_per_group(x, 4, 0)
+    with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 4 for bits=2.*got 6"):
+        quantize_per_group(x, 2, 6)
+
+    codes, scale, offset = quantize_per_group(x, 4, 16)
+    with pytest.raises(RuntimeError, match="dtype Int is not supported; supported: float32"):
+        dequantize_per_group(codes, scale, offset, 4, 16, torch.int32, [64])
+    with pytest.raises(RuntimeError, match="codes must be 1-D with 16 entries for shape \\[32\\] at 4 bits"):
+        dequantize_per_group(codes, scale, offset, 4, 16, torch.float32, [32])
+    with pytest.raises(RuntimeError, match="codes must be 1-D with 64 entries"):
+        dequantize_per_group(codes, scale, offset, 8, 16, torch.float32, [64])  # bits that do not match
+    with pytest.raises(RuntimeError, match="scale must be 1-D with one entry per group \\(4\\)"):
+        dequantize_per_group(codes, scale[:3], offset, 4, 16, torch.float32, [64])
+    with pytest.raises(RuntimeError, match="offset has dtype Float; expected float16 or bfloat16"):
+        dequantize_per_group(codes, scale, offset.float(), 4, 16, torch.float32, [64])
+    with pytest.raises(RuntimeError, match="scale \\(BFloat16\\) and offset \\(Half\\) must have the same dtype"):
+        dequantize_per_group(codes, scale, offset.half(), 4, 16, torch.float32, [64])
+    with pytest.raises(RuntimeError, match="codes have dtype Float; expected Byte"):
+        dequantize_per_group(codes.float(), scale, offset, 4, 16, torch.float32, [64])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", BITS)
+def test_cuda_large_groups_misaligned_views_and_many_groups(bits, dtype):
+    # groups wider than the kernel keeps in registers, inputs that are not 16-byte aligned, and more
+    # groups than one grid covers
+    for numel, group_size, misalign in [(3 * 5000, 2048, 0), (4097, 64, 1), ((1 << 26) + 5, 64, 0)]:
+        x = sample((numel + misalign,), dtype, "cuda")[misalign:]
+        stored, y = round_trip(x, bits, group_size, stochastic=True, seed=3)
+        cpu_stored, cpu_y = round_trip(x.cpu(), bits, group_size, stochastic=True, seed=3)
+        assert_bitwise_equal(stored + (y,), cpu_stored + (cpu_y,))
