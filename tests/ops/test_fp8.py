@@ -3,10 +3,18 @@ rounding) on every device, each value rounded once to the nearest e4m3 step, NaN
 
 import pytest
 import torch
-from quant_helpers import DEVICES, DTYPES, SHAPES, assert_bitwise_equal, half_ulp, sample, stored_bits_per_element
 
 from fastckpt.ops import FP8_DEFAULT_GROUP_SIZE, dequantize_fp8_per_group, quantize_fp8_per_group
 from fastckpt.ops.reference import dequantize_fp8_per_group_ref, quantize_fp8_per_group_ref
+from tests.ops.quant_helpers import (
+    DEVICES,
+    DTYPES,
+    SHAPES,
+    assert_bitwise_equal,
+    half_ulp,
+    sample,
+    stored_bits_per_element,
+)
 
 GROUP_SIZES = [1, 7, 32, 64, 100]
 E4M3_MAX = 448.0

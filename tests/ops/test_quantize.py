@@ -5,7 +5,10 @@ import math
 
 import pytest
 import torch
-from quant_helpers import (
+
+from fastckpt.ops import DEFAULT_GROUP_SIZE, dequantize_per_group, quantize_per_group
+from fastckpt.ops.reference import dequantize_per_group_ref, quantize_per_group_ref
+from tests.ops.quant_helpers import (
     DEVICES,
     DTYPES,
     SHAPES,
@@ -16,9 +19,6 @@ from quant_helpers import (
     sample,
     stored_bits_per_element,
 )
-
-from fastckpt.ops import DEFAULT_GROUP_SIZE, dequantize_per_group, quantize_per_group
-from fastckpt.ops.reference import dequantize_per_group_ref, quantize_per_group_ref
 
 BITS = [8, 4, 2]
 GROUP_SIZES = [4, 36, 64, 128]  # multiples of 4, valid for every bit width; 36 is no power of two
