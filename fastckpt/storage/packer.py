@@ -51,7 +51,7 @@ def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
 class _Stored:
     """One tensor as the policy keeps it: its tensors (plain, or a codec's payload), maybe on host."""
 
-    __slots__ = ("encoded", "tensors", "on_host")
+    __slots__ = ("encoded", "tensors", "on_host", "__weakref__")
 
     def __init__(self, encoded: codecs.Encoded | None, tensors: tuple, on_host: bool) -> None:
         self.encoded = encoded
@@ -65,7 +65,8 @@ class SegmentStorage:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self.record = SegmentRecord(policy=str(policy))
-        self._stored_by_key: dict[tuple, tuple[weakref.ref, _Stored]] = {}
+        # Weak on both sides: autograd releases each saved tensor right after its node ran, and so must we.
+        self._stored_by_key: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         report = current_report()
         if report is not None:
             report.add(self.record)
@@ -86,12 +87,13 @@ class SegmentStorage:
         # only identifies the storage while the first tensor saved from it is alive: after that, the
         # allocator may have handed the same address to a new tensor.
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        first_saved, stored = self._stored_by_key.get(key, (None, None))
+        first_saved, stored_ref = self._stored_by_key.get(key, (lambda: None, lambda: None))
+        stored = stored_ref()
         if stored is None or first_saved() is None:
             record.raw_bytes += _nbytes(t)
             record.raw_elements += t.numel()
             stored = self._store(t, policy)
-            self._stored_by_key[key] = (weakref.ref(t), stored)
+            self._stored_by_key[key] = (weakref.ref(t), weakref.ref(stored))
         record.pack_seconds += time.perf_counter() - start
         return stored
 

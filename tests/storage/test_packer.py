@@ -118,3 +118,24 @@ def test_cuda_offload_moves_bytes_to_host_and_is_exact(policy):
         ours = run_step(model, x, lambda x: fastckpt.checkpoint(model, x, policy=policy))
     assert_all_equal(ours, plain)
     assert report.host_bytes > 0 and report.device_bytes == 0
+
+
+def test_each_stored_tensor_is_released_once_its_node_has_run():
+    """As plain autograd: storage must not keep a segment's tensors until its whole backward is done."""
+    from fastckpt.storage import packer
+
+    def alive_stored():
+        return sum(type(o) is packer._Stored for o in gc.get_objects())
+
+    seen = []
+
+    def fn(x):
+        e = (x * 2).exp()  # e: saved by exp (its result) and by tanh (its input), stored once
+        e.register_hook(lambda grad: seen.append(alive_stored()))  # runs after TanhBackward, before ExpBackward
+        return e.tanh()  # saves its result t
+
+    x = torch.randn(64, 64, requires_grad=True)
+    out = fastckpt.checkpoint(fn, x, policy="save")
+    assert alive_stored() == 2
+    out.sum().backward()
+    assert seen == [1]  # t was released with TanhBackward; e is still needed by ExpBackward
