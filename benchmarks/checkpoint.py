@@ -8,8 +8,6 @@ relative L2 gradient error over the parameters, against plain training from the 
 
 from __future__ import annotations
 
-import csv
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +15,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import fastckpt
-from benchmarks.harness import median_times, peak_bytes
+from benchmarks.harness import median_times, peak_bytes, write_csv
 from benchmarks.workloads import DEFAULT_SHAPES, StackShape, gpt2_input, gpt2_stack
 
 
@@ -131,11 +129,5 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
             f"{r['peak_MiB']:>10.1f}{r['peak_x_stock']:>13.3f}{r['bits_per_element']:>11.2f}{r['grad_rel_l2']:>12.2e}"
         )
     if out:
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, f"checkpoint_{dev.type}.csv")
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {path}")
+        write_csv(rows, out, f"checkpoint_{dev.type}.csv")
     return rows

@@ -6,6 +6,8 @@ torch.profiler (profile_memory=True) replayed in time order, running maximum of 
 
 from __future__ import annotations
 
+import csv
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -58,3 +60,14 @@ def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
         live += delta
         peak = max(peak, live)
     return peak
+
+
+def write_csv(rows: list[dict], folder: str, name: str) -> None:
+    """Write result rows (dicts with the same keys) to folder/name and say where."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, name)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")

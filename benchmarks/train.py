@@ -8,8 +8,6 @@ of the last steps) and the held-out loss, each against plain training.
 
 from __future__ import annotations
 
-import csv
-import os
 import sysconfig
 import time
 from pathlib import Path
@@ -18,6 +16,7 @@ import torch
 from torch import nn
 
 import fastckpt
+from benchmarks.harness import write_csv
 from benchmarks.workloads import GPT2Block
 
 CORPUS_FILES = ["argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
@@ -101,11 +100,5 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
             f"{r['val_loss']:>10.4f}{r['val_vs_plain']:>+10.2%}{r['seconds']:>9.1f}"
         )
     if out:
-        os.makedirs(out, exist_ok=True)
-        path = os.path.join(out, f"train_{dev.type}.csv")
-        with open(path, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-            writer.writeheader()
-            writer.writerows(rows)
-        print(f"wrote {path}")
+        write_csv(rows, out, f"train_{dev.type}.csv")
     return rows
