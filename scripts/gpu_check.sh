@@ -26,12 +26,15 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a deadline, log to $out/NAME.lo
 if step build 240 "$py" setup.py build_ext --inplace; then
   step info 30 "$py" -m fastckpt.info
   step tests 150 "$py" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/tests.xml"
-  step bench 120 "$py" -m benchmarks --device cuda --out "$out"
+  step bench 120 "$py" -m benchmarks checkpoint --device cuda --out "$out"
+  step bench_ops 120 "$py" -m benchmarks ops --device cuda --out "$out"
+  step bench_train 90 "$py" -m benchmarks train --device cuda --quick --out "$out"
 fi
 
 echo "== gpu_check summary =="
 cat "$out/env.log"
 printf '%s\n' "${status[@]}"
 [ -f "$out/tests.log" ] && tail -n 3 "$out/tests.log"
+for log in bench bench_ops bench_train; do [ -f "$out/$log.log" ] && grep -v '^USDT' "$out/$log.log" | tail -n 25; done
 [ -f "$out/build.log" ] && grep -m5 -E "error|FAILED" "$out/build.log"
 true
