@@ -2,7 +2,8 @@
 # One prepared check for a machine with an NVIDIA GPU and the CUDA toolkit (the device tool's
 # H200 image: torch preinstalled, nothing downloadable). Builds fastckpt._C against that
 # machine's torch for arch 9.0, runs the cuda-marked tests and the GPU benchmark, and writes
-# logs and results into the folder given as $1. Usage: scripts/gpu_check.sh "$OUT"
+# logs and results into the folder given as $1; the step deadlines add up to under 8 minutes.
+# Usage: scripts/gpu_check.sh "$OUT"
 set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUTPUT_DIR}"
 mkdir -p "$out"
