@@ -331,3 +331,21 @@ def test_data_parallel_wrapper():
     layer.weight.grad = None
     layer(x).sum().backward()
     assert torch.equal(ours, layer.weight.grad)
+
+
+@pytest.mark.cuda
+def test_device_initialised_inside_forward_is_refused():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, fastckpt\n"
+        "x = torch.randn(3, requires_grad=True)\n"  # CUDA not initialised before the forward
+        "try:\n"
+        "    fastckpt.checkpoint(lambda x: x.cuda().sin().cpu(), x)\n"
+        "except RuntimeError as err:\n"
+        "    assert 'initialized in the forward pass' in str(err), err\n"
+        "else:\n"
+        "    raise AssertionError('no error')\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
