@@ -87,6 +87,11 @@ def _run(
         )
     resolved = resolve(policy)
     if not resolved.recompute:
+        if context_fn is not noop_context_fn or debug is not False:
+            raise ValueError(
+                f"policy={str(resolved)!r} stores tensors instead of recomputing, so `context_fn` and `debug` (which "
+                "act on the recomputation) do not apply; drop them or use a policy with 'recompute'"
+            )
         return _run_stored(function, args, kwargs, resolved)
     input_hooks = _input_hooks(resolved)
     if use_reentrant:

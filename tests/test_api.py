@@ -65,3 +65,11 @@ def test_checkpoint_sequential_applies_storage_policies_to_every_segment(policy,
     with fastckpt.track() as report:
         fastckpt.checkpoint_sequential(seq, 3, x, policy=policy).sum().backward()
     assert len(report.segments) == stored_segments
+
+
+def test_recompute_only_options_are_refused_for_storage_policies():
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(ValueError, match="`context_fn` and `debug`.*do not apply"):
+        fastckpt.checkpoint(torch.sin, x, policy="int8", debug=True)
+    with pytest.raises(ValueError, match="`context_fn` and `debug`.*do not apply"):
+        fastckpt.checkpoint(torch.sin, x, policy="save", context_fn=lambda: (None, None))
