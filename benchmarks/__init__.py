@@ -1,0 +1,1 @@
+"""fastckpt benchmarks: kernel efficiency (benchmarks.ops) and, later, training workloads."""
