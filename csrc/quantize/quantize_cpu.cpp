@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <type_traits>
@@ -99,13 +100,20 @@ FASTCKPT_HD void encode_group(const T* __restrict__ src, uint8_t* __restrict__ o
   }
 }
 
-// Packs n one-per-byte codes (zero-padded to a whole byte) into n * bits / 8 bytes, little-endian.
+// The one-per-byte codes of one packed byte, read or written as a single 16/32-bit word: shifts and
+// masks within a vector lane, where per-byte accesses would need byte shuffles.
+template <int kBits>
+using CodeWord = std::conditional_t<kBits == 4, uint16_t, uint32_t>;
+
+// Packs one-per-byte codes (zero-padded to a whole byte) into `bytes` bytes, little-endian.
 template <int kBits>
 FASTCKPT_HD void pack_codes(const uint8_t* __restrict__ unpacked, uint8_t* __restrict__ packed, int64_t bytes) {
   constexpr int kPerByte = 8 / kBits;
   for (int64_t j = 0; j < bytes; ++j) {
+    CodeWord<kBits> word;
+    std::memcpy(&word, unpacked + j * kPerByte, sizeof(word));
     uint32_t byte = 0;
-    for (int k = 0; k < kPerByte; ++k) byte |= static_cast<uint32_t>(unpacked[j * kPerByte + k]) << (k * kBits);
+    for (int k = 0; k < kPerByte; ++k) byte |= ((static_cast<uint32_t>(word) >> (8 * k)) & ((1u << kBits) - 1)) << (k * kBits);
     packed[j] = static_cast<uint8_t>(byte);
   }
 }
@@ -115,7 +123,10 @@ FASTCKPT_HD void unpack_codes(const uint8_t* __restrict__ packed, uint8_t* __res
   constexpr int kPerByte = 8 / kBits;
   for (int64_t j = 0; j < bytes; ++j) {
     const uint32_t byte = packed[j];
-    for (int k = 0; k < kPerByte; ++k) unpacked[j * kPerByte + k] = (byte >> (k * kBits)) & ((1u << kBits) - 1);
+    uint32_t word = 0;
+    for (int k = 0; k < kPerByte; ++k) word |= ((byte >> (k * kBits)) & ((1u << kBits) - 1)) << (8 * k);
+    const auto narrow = static_cast<CodeWord<kBits>>(word);
+    std::memcpy(unpacked + j * kPerByte, &narrow, sizeof(narrow));
   }
 }
 
