@@ -205,7 +205,9 @@ FASTCKPT_HD int32_t order_key(float v) {
   const int32_t b = static_cast<int32_t>(float_bits(v));
   return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
-FASTCKPT_HD float from_order_key(int32_t k) { return float_from_bits(static_cast<uint32_t>(k ^ ((k >> 31) & 0x7FFFFFFF))); }
+FASTCKPT_HD float from_order_key(int32_t k) {
+  return float_from_bits(static_cast<uint32_t>(k ^ ((k >> 31) & 0x7FFFFFFF)));
+}
 constexpr int32_t kKeyPosInf = 0x7F800000;
 constexpr int32_t kKeyNegInf = static_cast<int32_t>(0xFF800000u ^ 0x7FFFFFFFu);
 FASTCKPT_HD bool keys_finite(int32_t lo, int32_t hi) { return lo > kKeyNegInf && hi < kKeyPosInf; }
@@ -317,9 +319,9 @@ struct Fp8Codec {
 };
 
 // Runs `body` with scalar_t bound to the input's C++ type (float32, float16, bfloat16 only).
-#define FASTCKPT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)             \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+#define FASTCKPT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                   \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 // Runs `body(codec)` with the AffineCodec for `bits` (validated before).
 template <typename Body>
@@ -337,7 +339,9 @@ inline int64_t code_bytes(int64_t numel, int64_t bits) { return (numel * bits + 
 
 // fp16 inputs keep fp16 parameters (their range always fits, with 3 more mantissa bits than bf16);
 // bf16 and fp32 inputs get bf16 parameters, whose range covers fp32's, so no group can overflow them.
-inline at::ScalarType affine_param_dtype(at::ScalarType input) { return input == at::kHalf ? at::kHalf : at::kBFloat16; }
+inline at::ScalarType affine_param_dtype(at::ScalarType input) {
+  return input == at::kHalf ? at::kHalf : at::kBFloat16;
+}
 
 inline void check_float_input(const char* op, const char* name, const at::Tensor& t) {
   const auto dtype = t.scalar_type();

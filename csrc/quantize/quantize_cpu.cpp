@@ -113,7 +113,9 @@ FASTCKPT_HD void pack_codes(const uint8_t* __restrict__ unpacked, uint8_t* __res
     CodeWord<kBits> word;
     std::memcpy(&word, unpacked + j * kPerByte, sizeof(word));
     uint32_t byte = 0;
-    for (int k = 0; k < kPerByte; ++k) byte |= ((static_cast<uint32_t>(word) >> (8 * k)) & ((1u << kBits) - 1)) << (k * kBits);
+    for (int k = 0; k < kPerByte; ++k) {
+      byte |= ((static_cast<uint32_t>(word) >> (8 * k)) & ((1u << kBits) - 1)) << (k * kBits);
+    }
     packed[j] = static_cast<uint8_t>(byte);
   }
 }
@@ -192,9 +194,10 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
     for (int64_t b = 0; b < groups; ++b) {
       scales[b] = bf16_params ? bf16_bits_to_float(scale[g0 + b]) : half_bits_to_float(scale[g0 + b]);
     }
-    for (int64_t b = 0; b < groups; ++b) {
-      if constexpr (!Codec::kHasOffset) break;
-      offsets[b] = bf16_params ? bf16_bits_to_float(offset[g0 + b]) : half_bits_to_float(offset[g0 + b]);
+    if constexpr (Codec::kHasOffset) {
+      for (int64_t b = 0; b < groups; ++b) {
+        offsets[b] = bf16_params ? bf16_bits_to_float(offset[g0 + b]) : half_bits_to_float(offset[g0 + b]);
+      }
     }
     const uint8_t* unpacked = codes + first / kPerByte;
     if constexpr (kPerByte > 1) {
