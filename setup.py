@@ -53,7 +53,9 @@ macros = [
     ("FASTCKPT_TORCH_VERSION", f'"{torch.__version__}"'),
     ("FASTCKPT_CUDA_ARCHS", f'"{os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""}"'),
 ]
-cxx_flags = ["-O3"]
+# at::parallel_for is OpenMP code inlined from torch's headers: without -fopenmp it runs on one thread.
+cxx_flags = ["-O3", "-fopenmp"]
+link_flags = ["-fopenmp"]
 if with_cuda:
     sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
     macros.append(("FASTCKPT_WITH_CUDA", "1"))
@@ -63,6 +65,7 @@ if with_cuda:
         include_dirs=[os.path.abspath("csrc"), *cuda_wheel_includes()],
         define_macros=macros,
         extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
+        extra_link_args=link_flags,
     )
 else:
     extension = CppExtension(
@@ -71,6 +74,7 @@ else:
         include_dirs=[os.path.abspath("csrc")],
         define_macros=macros,
         extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=link_flags,
     )
 
 setup(

@@ -31,12 +31,14 @@ TORCH_LIBRARY(fastckpt, m) {
   m.def(
       "dequantize_per_group(Tensor codes, Tensor scale, Tensor offset, int bits, int group_size, ScalarType dtype, "
       "SymInt[] shape) -> Tensor");
-  // fp8 storage: codes are float8_e4m3fn bit patterns in a 1-D uint8 tensor of numel bytes (uint8 like all
-  // codes, so storage and opcheck treat them as plain bytes; .view(torch.float8_e4m3fn) reads them), and each group of
-  // group_size elements has a power-of-two scale 2^e (stored as bfloat16, exactly), the smallest with
-  // max|x| / 2^e <= 448; code = x / 2^e rounded to nearest even. A group holding NaN or Inf stores a
-  // NaN scale and decodes to all-NaN. Returns (codes, scale).
+  // fp8 storage: codes are float8_e4m3fn bit patterns, one byte per element in a 1-D uint8 tensor (uint8
+  // like all codes, so storage and opcheck treat them as plain bytes; .view(torch.float8_e4m3fn) reads
+  // them). Each group of group_size elements has a power-of-two scale 2^e, stored exactly as bfloat16: the
+  // smallest with max|x| / 2^e <= 448; code = x / 2^e rounded to nearest even. A group holding NaN or Inf
+  // stores a NaN scale and decodes to all-NaN. Returns (codes, scale); scale has one entry per group.
   m.def("quantize_fp8_per_group(Tensor x, int group_size) -> (Tensor codes, Tensor scale)");
   // Inverse of quantize_fp8_per_group: code * scale in float32, rounded to dtype, as a tensor of `shape`.
-  m.def("dequantize_fp8_per_group(Tensor codes, Tensor scale, int group_size, ScalarType dtype, SymInt[] shape) -> Tensor");
+  m.def(
+      "dequantize_fp8_per_group(Tensor codes, Tensor scale, int group_size, ScalarType dtype, SymInt[] shape) "
+      "-> Tensor");
 }

@@ -19,8 +19,12 @@
 #include <cstdint>
 #include <cstring>
 
+// Always inlined: the CPU kernels are compiled per instruction set (target clones), and a helper
+// left out of line would run as baseline scalar code inside the vectorized loops.
 #if defined(__CUDACC__)
 #define FASTCKPT_HD __host__ __device__ __forceinline__
+#elif defined(__GNUC__)
+#define FASTCKPT_HD inline __attribute__((always_inline))
 #else
 #define FASTCKPT_HD inline
 #endif
@@ -151,8 +155,10 @@ FASTCKPT_HD c10::BFloat16 from_float<c10::BFloat16>(float v) {
 FASTCKPT_HD float param_to_float(uint32_t bits, bool bf16) {
   return bf16 ? bf16_bits_to_float(bits) : half_bits_to_float(bits);
 }
-FASTCKPT_HD uint32_t param_next_down(uint32_t b) { return b == 0u ? 0x8001u : (b & 0x8000u ? b + 1u : b - 1u); }
-FASTCKPT_HD uint32_t param_next_up(uint32_t b) { return b == 0x8000u ? 0x0001u : (b & 0x8000u ? b - 1u : b + 1u); }
+// Neighbours of a 16-bit float toward -Inf / +Inf, as arithmetic (the rounding direction is data
+// dependent: branches here mispredict half the time and serialize the CPU kernels).
+FASTCKPT_HD uint32_t param_next_down(uint32_t b) { return b == 0u ? 0x8001u : b - 1u + ((b >> 15) << 1); }
+FASTCKPT_HD uint32_t param_next_up(uint32_t b) { return b == 0x8000u ? 0x0001u : b + 1u - ((b >> 15) << 1); }
 // Largest 16-bit value <= v (v finite; may give -Inf when v is below the format's range).
 FASTCKPT_HD uint32_t param_round_down(float v, bool bf16) {
   const uint32_t b = bf16 ? float_to_bf16_bits(v) : float_to_half_bits(v);
@@ -199,7 +205,9 @@ FASTCKPT_HD int32_t order_key(float v) {
   const int32_t b = static_cast<int32_t>(float_bits(v));
   return b ^ ((b >> 31) & 0x7FFFFFFF);
 }
-FASTCKPT_HD float from_order_key(int32_t k) { return float_from_bits(static_cast<uint32_t>(k ^ ((k >> 31) & 0x7FFFFFFF))); }
+FASTCKPT_HD float from_order_key(int32_t k) {
+  return float_from_bits(static_cast<uint32_t>(k ^ ((k >> 31) & 0x7FFFFFFF)));
+}
 constexpr int32_t kKeyPosInf = 0x7F800000;
 constexpr int32_t kKeyNegInf = static_cast<int32_t>(0xFF800000u ^ 0x7FFFFFFFu);
 FASTCKPT_HD bool keys_finite(int32_t lo, int32_t hi) { return lo > kKeyNegInf && hi < kKeyPosInf; }
@@ -233,6 +241,13 @@ FASTCKPT_HD float uniform01(uint32_t group_key, uint32_t index_in_group) {
 // the rounding offset: 0.5 for round-to-nearest, uniform [0,1) for stochastic rounding), and a
 // code back into a float (decode). Both share one interface so that every kernel serves both.
 
+// A group's parameters; encode reads only offset and inv_scale (fp8: offset 0, offset_bits unused).
+struct GroupParams {
+  float offset, scale, inv_scale;
+  uint32_t offset_bits, scale_bits;  // as stored: 16-bit float patterns
+  bool finite;
+};
+
 // Asymmetric per-group integer codes: x ~= offset + code * scale, code in [0, 2^bits - 1].
 // Offset is rounded down and scale up to the stored 16-bit format, and codes are computed from the
 // stored values, so the grid covers [min, max] and round-to-nearest errs by at most scale / 2.
@@ -241,28 +256,27 @@ struct AffineCodec {
   static constexpr int kBits = kBitsArg;
   static constexpr bool kHasOffset = true;
   static constexpr int kMaxCode = (1 << kBits) - 1;
-  struct Params {
-    float offset, scale, inv_scale;
-    uint32_t offset_bits, scale_bits;
-    bool finite;
-  };
+  using Params = GroupParams;
 
+  // Branch-free (selects only), so that groups overlap in the CPU's pipeline.
   FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool bf16) {
-    Params p{0.f, 0.f, 0.f, kParamNaN, kParamNaN, false};
-    if (!finite) return p;
     const uint32_t offset_bits = param_round_down(lo, bf16);
     const float offset = param_to_float(offset_bits, bf16);
     const float step = div_rn(sub_rn(hi, offset), static_cast<float>(kMaxCode));
     // A floor of 2^-126 keeps 1/scale finite (constant groups decode exactly through code 0).
     const uint32_t scale_bits = param_round_up(step > 1.17549435e-38f ? step : 1.17549435e-38f, bf16);
     const float scale = param_to_float(scale_bits, bf16);
-    if (!is_finite_float(offset) || !is_finite_float(scale)) return p;  // out of the 16-bit range
-    return Params{offset, scale, div_rn(1.0f, scale), offset_bits, scale_bits, true};
+    // Non-finite data, or an offset/scale beyond the 16-bit range: NaN parameters, codes 0.
+    const bool ok = finite && is_finite_float(offset) && is_finite_float(scale);
+    return Params{ok ? offset : 0.f,  ok ? scale : 0.f,  ok ? div_rn(1.0f, scale) : 0.f,
+                  ok ? offset_bits : kParamNaN, ok ? scale_bits : kParamNaN, ok};
   }
 
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float u) {
     float t = mul_rn(sub_rn(x, p.offset), p.inv_scale);
-    t = t > 0.f ? t : 0.f;  // also maps NaN to 0
+    // Spelled so that each clamp is one compare and one masked move; NaN (only in non-finite groups,
+    // whose codes are replaced by 0) ends as kMaxCode, never reaching the float-to-int conversion.
+    t = t < 0.f ? 0.f : t;
     t = t < float(kMaxCode) ? t : float(kMaxCode);
     const int32_t q = static_cast<int32_t>(add_rn(t, u));  // t + u >= 0: truncation is floor
     return static_cast<uint32_t>(q < kMaxCode ? q : kMaxCode);
@@ -280,22 +294,19 @@ struct Fp8Codec {
   static constexpr int kBits = 8;
   static constexpr bool kHasOffset = false;
   static constexpr int kMinExponent = -126;  // keeps 2^e and 2^-e normal floats
-  struct Params {
-    float inv_scale, scale;
-    uint32_t offset_bits, scale_bits;  // offset_bits unused: fp8 has no offset
-    bool finite;
-  };
+  using Params = GroupParams;
 
   FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool /*bf16: always*/) {
-    if (!finite) return Params{0.f, 0.f, 0u, kParamNaN, false};
     const uint32_t lo_abs = float_bits(lo) & 0x7FFFFFFFu, hi_abs = float_bits(hi) & 0x7FFFFFFFu;
     const uint32_t amax = lo_abs > hi_abs ? lo_abs : hi_abs;
     // amax = 1.m * 2^(E-127); 1.m <= 1.75 fits 448 = 1.75 * 2^8 at e = E-135, otherwise e = E-134.
     const int32_t biased = static_cast<int32_t>(amax >> 23);
     int32_t e = biased - ((amax & 0x7FFFFFu) <= 0x600000u ? 135 : 134);
     e = e > kMinExponent ? e : kMinExponent;
-    return Params{float_from_bits(static_cast<uint32_t>(127 - e) << 23), float_from_bits(static_cast<uint32_t>(127 + e) << 23),
-                  0u, static_cast<uint32_t>(127 + e) << 7, true};
+    const float inv_scale = float_from_bits(static_cast<uint32_t>(127 - e) << 23);
+    const float scale = float_from_bits(static_cast<uint32_t>(127 + e) << 23);
+    return Params{0.f, finite ? scale : 0.f, finite ? inv_scale : 0.f, 0u,
+                  finite ? static_cast<uint32_t>(127 + e) << 7 : kParamNaN, finite};
   }
 
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float /*u*/) {
@@ -308,9 +319,9 @@ struct Fp8Codec {
 };
 
 // Runs `body` with scalar_t bound to the input's C++ type (float32, float16, bfloat16 only).
-#define FASTCKPT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)             \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+#define FASTCKPT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                   \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 // Runs `body(codec)` with the AffineCodec for `bits` (validated before).
 template <typename Body>
@@ -328,7 +339,9 @@ inline int64_t code_bytes(int64_t numel, int64_t bits) { return (numel * bits + 
 
 // fp16 inputs keep fp16 parameters (their range always fits, with 3 more mantissa bits than bf16);
 // bf16 and fp32 inputs get bf16 parameters, whose range covers fp32's, so no group can overflow them.
-inline at::ScalarType affine_param_dtype(at::ScalarType input) { return input == at::kHalf ? at::kHalf : at::kBFloat16; }
+inline at::ScalarType affine_param_dtype(at::ScalarType input) {
+  return input == at::kHalf ? at::kHalf : at::kBFloat16;
+}
 
 inline void check_float_input(const char* op, const char* name, const at::Tensor& t) {
   const auto dtype = t.scalar_type();

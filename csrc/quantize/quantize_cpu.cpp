@@ -1,19 +1,27 @@
-// CPU kernels of the quantize family: parallel over groups; per group one min/max loop and one
-// encode loop over data that is still in L1, both written for the compiler to vectorize.
+// CPU kernels of the quantize family. Work is split over blocks of consecutive groups (~kBlockElems
+// elements, L1/L2-resident) and each block runs in phases, each a loop the compiler vectorizes:
+// min/max per group; the parameters of all the block's groups at once (vectorized across groups:
+// branch-free, so data-dependent rounding directions do not stall the pipeline); codes per group,
+// into a block buffer that one loop then bit-packs (a group of 64 int2 codes is only 16 bytes, too
+// short for a vector loop over bytes). Decoding mirrors this.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 #include "quantize/quantize.h"
 
 // Codes must match the reference bit for bit, which rounds after every operation: no FMA contraction.
+// Not trapping on FP exceptions (values are unchanged) lets GCC turn the codecs' selects into blends.
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=off")
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
 #endif
 
 // The hot loops are built for baseline x86-64, AVX2 (x86-64-v3) and AVX-512 (x86-64-v4); the
@@ -29,7 +37,13 @@ namespace {
 
 using namespace quant;
 
-constexpr int64_t kGrainElems = 1 << 15;  // elements per parallel task, ~L2-sized for fp32
+constexpr int64_t kGrainElems = 1 << 16;   // elements per parallel task
+constexpr int64_t kBlockElems = 1 << 13;   // elements per block (groups whose parameters are computed together)
+constexpr int64_t kMaxBlockGroups = 256;  // bounds the per-block parameter arrays on the stack
+
+int64_t block_groups(int64_t group_size) {
+  return std::clamp<int64_t>(kBlockElems / group_size, 1, kMaxBlockGroups);
+}
 
 // Order keys on the stored bits: 16-bit inputs reduce as int16 (twice the lanes of a float key).
 template <typename T>
@@ -37,18 +51,18 @@ struct Keys;
 template <>
 struct Keys<float> {
   using Key = int32_t;
-  static Key of(float v) { return order_key(v); }
-  static float value(Key k) { return from_order_key(k); }
+  FASTCKPT_HD static Key of(float v) { return order_key(v); }
+  FASTCKPT_HD static float value(Key k) { return from_order_key(k); }
   static constexpr Key kPosInf = kKeyPosInf, kNegInf = kKeyNegInf;
 };
 template <typename T, uint16_t kInfBits>
 struct Keys16 {
   using Key = int16_t;
-  static Key of(T v) {
+  FASTCKPT_HD static Key of(T v) {
     const auto b = static_cast<int16_t>(v.x);
     return static_cast<Key>(b ^ ((b >> 15) & 0x7FFF));
   }
-  static float value(Key k) {
+  FASTCKPT_HD static float value(Key k) {
     const auto bits = static_cast<uint16_t>(k ^ ((k >> 15) & 0x7FFF));
     return to_float(T(bits, T::from_bits()));
   }
@@ -60,105 +74,158 @@ struct Keys<c10::Half> : Keys16<c10::Half, 0x7C00> {};
 template <>
 struct Keys<c10::BFloat16> : Keys16<c10::BFloat16, 0x7F80> {};
 
-struct GroupRange {
-  float lo, hi;
-  bool finite;
-};
-
+// min, max and finiteness of src[0, n) (n >= 1).
 template <typename T>
-inline GroupRange group_range(const T* src, int64_t n) {
+FASTCKPT_HD void group_range(const T* __restrict__ src, int64_t n, float& lo, float& hi, int32_t& finite) {
   using K = Keys<T>;
-  typename K::Key lo = std::numeric_limits<typename K::Key>::max(), hi = std::numeric_limits<typename K::Key>::min();
+  typename K::Key lo_key = std::numeric_limits<typename K::Key>::max();
+  typename K::Key hi_key = std::numeric_limits<typename K::Key>::min();
   for (int64_t i = 0; i < n; ++i) {
     const auto k = K::of(src[i]);
-    lo = k < lo ? k : lo;
-    hi = k > hi ? k : hi;
+    lo_key = k < lo_key ? k : lo_key;
+    hi_key = k > hi_key ? k : hi_key;
   }
-  return {K::value(lo), K::value(hi), lo > K::kNegInf && hi < K::kPosInf};
+  lo = K::value(lo_key);
+  hi = K::value(hi_key);
+  finite = lo_key > K::kNegInf && hi_key < K::kPosInf;
 }
 
-// Codes of n elements packed into ceil(n * bits / 8) bytes (the last byte's unused bits zero).
+// One code per byte for src[0, n).
 template <typename T, typename Codec, bool kStochastic>
-inline void encode_group(const T* src, uint8_t* dst, int64_t n, const typename Codec::Params& p, uint32_t key) {
-  constexpr int kPerByte = 8 / Codec::kBits;
-  const int64_t whole = n / kPerByte;
-  for (int64_t j = 0; j < whole; ++j) {
+FASTCKPT_HD void encode_group(const T* __restrict__ src, uint8_t* __restrict__ out, int64_t n, const GroupParams& p,
+                              uint32_t key) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = kStochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
+    out[i] = static_cast<uint8_t>(Codec::encode(p, to_float(src[i]), u));
+  }
+}
+
+// The one-per-byte codes of one packed byte, read or written as a single 16/32-bit word: shifts and
+// masks within a vector lane, where per-byte accesses would need byte shuffles.
+template <int kBits>
+using CodeWord = std::conditional_t<kBits == 4, uint16_t, uint32_t>;
+
+// Packs one-per-byte codes (zero-padded to a whole byte) into `bytes` bytes, little-endian.
+template <int kBits>
+FASTCKPT_HD void pack_codes(const uint8_t* __restrict__ unpacked, uint8_t* __restrict__ packed, int64_t bytes) {
+  constexpr int kPerByte = 8 / kBits;
+  for (int64_t j = 0; j < bytes; ++j) {
+    CodeWord<kBits> word;
+    std::memcpy(&word, unpacked + j * kPerByte, sizeof(word));
     uint32_t byte = 0;
     for (int k = 0; k < kPerByte; ++k) {
-      const int64_t i = j * kPerByte + k;
-      const float u = kStochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
-      byte |= Codec::encode(p, to_float(src[i]), u) << (k * Codec::kBits);
+      byte |= ((static_cast<uint32_t>(word) >> (8 * k)) & ((1u << kBits) - 1)) << (k * kBits);
     }
-    dst[j] = static_cast<uint8_t>(byte);
-  }
-  if (whole * kPerByte < n) {
-    uint32_t byte = 0;
-    for (int64_t i = whole * kPerByte; i < n; ++i) {
-      const float u = kStochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
-      byte |= Codec::encode(p, to_float(src[i]), u) << ((i % kPerByte) * Codec::kBits);
-    }
-    dst[whole] = static_cast<uint8_t>(byte);
+    packed[j] = static_cast<uint8_t>(byte);
   }
 }
 
+template <int kBits>
+FASTCKPT_HD void unpack_codes(const uint8_t* __restrict__ packed, uint8_t* __restrict__ unpacked, int64_t bytes) {
+  constexpr int kPerByte = 8 / kBits;
+  for (int64_t j = 0; j < bytes; ++j) {
+    const uint32_t byte = packed[j];
+    uint32_t word = 0;
+    for (int k = 0; k < kPerByte; ++k) word |= ((byte >> (k * kBits)) & ((1u << kBits) - 1)) << (8 * k);
+    const auto narrow = static_cast<CodeWord<kBits>>(word);
+    std::memcpy(unpacked + j * kPerByte, &narrow, sizeof(narrow));
+  }
+}
+
+// Groups [begin, end); scratch holds block_groups(group_size) * group_size + 8 bytes.
 template <typename T, typename Codec>
 FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* scale, uint16_t* offset, int64_t numel,
-                                         int64_t group_size, int64_t begin, int64_t end, bool bf16_params,
-                                         bool stochastic, uint32_t seed_key) {
+                                         int64_t group_size, int64_t begin, int64_t end, bool stochastic,
+                                         uint32_t seed_key, uint8_t* scratch) {
   constexpr int kPerByte = 8 / Codec::kBits;
-  for (int64_t g = begin; g < end; ++g) {
-    const int64_t start = g * group_size;
-    const int64_t n = std::min(group_size, numel - start);
-    const T* src = x + start;
-    uint8_t* dst = codes + start / kPerByte;
-    const GroupRange range = group_range(src, n);
-    const auto p = Codec::make(range.lo, range.hi, range.finite, bf16_params);
-    scale[g] = static_cast<uint16_t>(p.scale_bits);
-    if constexpr (Codec::kHasOffset) offset[g] = static_cast<uint16_t>(p.offset_bits);
-    if (!p.finite) {  // the group decodes to NaN through its parameters
-      std::fill_n(dst, (n + kPerByte - 1) / kPerByte, uint8_t{0});
-    } else if (stochastic) {
-      encode_group<T, Codec, true>(src, dst, n, p, group_key(seed_key, g));
-    } else {
-      encode_group<T, Codec, false>(src, dst, n, p, 0);
+  // affine_param_dtype as a constant: a run-time choice inside the parameter loop blocks its vectorization
+  constexpr bool kBf16Params = !std::is_same_v<T, c10::Half>;
+  const int64_t block = block_groups(group_size);
+  float lo[kMaxBlockGroups], hi[kMaxBlockGroups], offsets[kMaxBlockGroups], inv_scales[kMaxBlockGroups];
+  int32_t finite[kMaxBlockGroups];  // int32, not bool: keeps the parameter loop in one vector width
+  for (int64_t g0 = begin; g0 < end; g0 += block) {
+    const int64_t groups = std::min(block, end - g0);
+    const int64_t first = g0 * group_size;
+    const int64_t count = std::min(groups * group_size, numel - first);
+    const T* src = x + first;
+    for (int64_t b = 0; b < groups; ++b) {
+      group_range(src + b * group_size, std::min(group_size, count - b * group_size), lo[b], hi[b], finite[b]);
+    }
+    for (int64_t b = 0; b < groups; ++b) {
+      const GroupParams p = Codec::make(lo[b], hi[b], finite[b] != 0, kBf16Params);
+      offsets[b] = p.offset;
+      inv_scales[b] = p.inv_scale;
+      finite[b] = p.finite;
+      scale[g0 + b] = static_cast<uint16_t>(p.scale_bits);
+      if constexpr (Codec::kHasOffset) offset[g0 + b] = static_cast<uint16_t>(p.offset_bits);
+    }
+    uint8_t* dst = codes + first / kPerByte;  // groups start on whole bytes
+    uint8_t* unpacked = kPerByte == 1 ? dst : scratch;
+    for (int64_t b = 0; b < groups; ++b) {
+      const int64_t at = b * group_size, n = std::min(group_size, count - at);
+      const GroupParams p{offsets[b], 0.f, inv_scales[b], 0u, 0u, finite[b] != 0};
+      if (stochastic) {
+        encode_group<T, Codec, true>(src + at, unpacked + at, n, p, group_key(seed_key, g0 + b));
+      } else {
+        encode_group<T, Codec, false>(src + at, unpacked + at, n, p, 0);
+      }
+      // A non-finite group decodes to NaN through its parameters; its codes are 0 (fp8 encodes NaN as 0x7F).
+      if (!finite[b]) std::fill_n(unpacked + at, n, uint8_t{0});
+    }
+    if constexpr (kPerByte > 1) {
+      std::fill_n(scratch + count, kPerByte, uint8_t{0});  // zero bits after the tensor's last code
+      pack_codes<Codec::kBits>(scratch, dst, (count + kPerByte - 1) / kPerByte);
     }
   }
 }
 
+// Groups [begin, end); scratch as for quantize_groups.
 template <typename T, typename Codec>
 FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t* scale, const uint16_t* offset,
                                            bool bf16_params, T* out, int64_t numel, int64_t group_size, int64_t begin,
-                                           int64_t end) {
+                                           int64_t end, uint8_t* scratch) {
   constexpr int kPerByte = 8 / Codec::kBits;
-  constexpr uint32_t kMask = (1u << Codec::kBits) - 1;
-  for (int64_t g = begin; g < end; ++g) {
-    const int64_t start = g * group_size;
-    const int64_t n = std::min(group_size, numel - start);
-    const uint8_t* src = codes + start / kPerByte;
-    T* dst = out + start;
-    const float s = param_to_float(scale[g], bf16_params);
-    const float o = Codec::kHasOffset ? param_to_float(offset[g], bf16_params) : 0.f;
-    const int64_t whole = n / kPerByte;
-    for (int64_t j = 0; j < whole; ++j) {
-      const uint32_t byte = src[j];
-      for (int k = 0; k < kPerByte; ++k) {
-        dst[j * kPerByte + k] = from_float<T>(Codec::decode(o, s, (byte >> (k * Codec::kBits)) & kMask));
+  const int64_t block = block_groups(group_size);
+  float scales[kMaxBlockGroups], offsets[kMaxBlockGroups];
+  for (int64_t g0 = begin; g0 < end; g0 += block) {
+    const int64_t groups = std::min(block, end - g0);
+    const int64_t first = g0 * group_size;
+    const int64_t count = std::min(groups * group_size, numel - first);
+    for (int64_t b = 0; b < groups; ++b) {
+      scales[b] = bf16_params ? bf16_bits_to_float(scale[g0 + b]) : half_bits_to_float(scale[g0 + b]);
+    }
+    if constexpr (Codec::kHasOffset) {
+      for (int64_t b = 0; b < groups; ++b) {
+        offsets[b] = bf16_params ? bf16_bits_to_float(offset[g0 + b]) : half_bits_to_float(offset[g0 + b]);
       }
     }
-    for (int64_t i = whole * kPerByte; i < n; ++i) {
-      dst[i] = from_float<T>(Codec::decode(o, s, (src[whole] >> ((i % kPerByte) * Codec::kBits)) & kMask));
+    const uint8_t* unpacked = codes + first / kPerByte;
+    if constexpr (kPerByte > 1) {
+      unpack_codes<Codec::kBits>(unpacked, scratch, (count + kPerByte - 1) / kPerByte);
+      unpacked = scratch;
+    }
+    for (int64_t b = 0; b < groups; ++b) {
+      const int64_t at = b * group_size, n = std::min(group_size, count - at);
+      const float s = scales[b], o = Codec::kHasOffset ? offsets[b] : 0.f;
+      const uint8_t* __restrict__ q = unpacked + at;
+      T* __restrict__ y = out + first + at;
+      for (int64_t i = 0; i < n; ++i) y[i] = from_float<T>(Codec::decode(o, s, q[i]));
     }
   }
 }
 
 int64_t grain_groups(int64_t group_size) { return std::max<int64_t>(1, kGrainElems / group_size); }
 
+// Per-task scratch for one block's unpacked codes.
+std::vector<uint8_t> block_scratch(int64_t group_size) {
+  return std::vector<uint8_t>(block_groups(group_size) * group_size + 8);
+}
+
 template <typename Codec>
 void quantize_cpu_impl(const at::Tensor& src, at::Tensor& codes, at::Tensor& scale, at::Tensor* offset,
                        int64_t group_size, bool stochastic, int64_t seed) {
   const int64_t numel = src.numel();
   if (numel == 0) return;
-  const bool bf16_params = scale.scalar_type() == at::kBFloat16;
   const uint32_t key = seed_key(seed);
   uint8_t* codes_ptr = static_cast<uint8_t*>(codes.data_ptr());
   auto* scale_ptr = static_cast<uint16_t*>(scale.data_ptr());
@@ -166,8 +233,9 @@ void quantize_cpu_impl(const at::Tensor& src, at::Tensor& codes, at::Tensor& sca
   FASTCKPT_DISPATCH_FLOAT_TYPES(src.scalar_type(), "quantize_cpu", [&] {
     const scalar_t* x = src.const_data_ptr<scalar_t>();
     at::parallel_for(0, num_groups(numel, group_size), grain_groups(group_size), [&](int64_t begin, int64_t end) {
-      quantize_groups<scalar_t, Codec>(x, codes_ptr, scale_ptr, offset_ptr, numel, group_size, begin, end, bf16_params,
-                                       stochastic, key);
+      auto scratch = block_scratch(group_size);
+      quantize_groups<scalar_t, Codec>(x, codes_ptr, scale_ptr, offset_ptr, numel, group_size, begin, end, stochastic,
+                                       key, scratch.data());
     });
   });
 }
@@ -187,8 +255,9 @@ at::Tensor dequantize_cpu_impl(const at::Tensor& codes, const at::Tensor& scale,
   FASTCKPT_DISPATCH_FLOAT_TYPES(dtype, "dequantize_cpu", [&] {
     scalar_t* y = out.mutable_data_ptr<scalar_t>();
     at::parallel_for(0, num_groups(numel, group_size), grain_groups(group_size), [&](int64_t begin, int64_t end) {
+      auto scratch = block_scratch(group_size);
       dequantize_groups<scalar_t, Codec>(codes_ptr, scale_ptr, offset_ptr, bf16_params, y, numel, group_size, begin,
-                                         end);
+                                         end, scratch.data());
     });
   });
   return out;

@@ -35,7 +35,8 @@ constexpr int chunk_elems() {
 
 // Loads chunk [c, c + V) of a group of n elements as floats (zeros past n).
 template <typename T, int V>
-__device__ __forceinline__ void load_chunk(const T* __restrict__ src, int64_t c, int64_t n, bool vector, float (&out)[V]) {
+__device__ __forceinline__ void load_chunk(const T* __restrict__ src, int64_t c, int64_t n, bool vector,
+                                           float (&out)[V]) {
   if (vector && c + V <= n) {
     const uint4 raw = *reinterpret_cast<const uint4*>(src + c);
     const T* vals = reinterpret_cast<const T*>(&raw);
@@ -128,7 +129,8 @@ __global__ void __launch_bounds__(kThreads)
       load_chunk(src, c, n, vector, vals[it]);
       reduce_keys(vals[it], c, n, lo, hi);
     }
-    for (int64_t c = (static_cast<int64_t>(kRegisterChunks) * team + rank) * V; c < n; c += static_cast<int64_t>(team) * V) {
+    const int64_t lane_stride = static_cast<int64_t>(team) * V;
+    for (int64_t c = (static_cast<int64_t>(kRegisterChunks) * team + rank) * V; c < n; c += lane_stride) {
       float more[V];
       load_chunk(src, c, n, vector, more);
       reduce_keys(more, c, n, lo, hi);
@@ -151,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t c = (static_cast<int64_t>(it) * team + rank) * V;
       if (c < n) encode_chunk<Codec>(vals[it], dst, c, n, p, key, stochastic, vector);
     }
-    for (int64_t c = (static_cast<int64_t>(kRegisterChunks) * team + rank) * V; c < n; c += static_cast<int64_t>(team) * V) {
+    for (int64_t c = (static_cast<int64_t>(kRegisterChunks) * team + rank) * V; c < n; c += lane_stride) {
       float more[V];
       load_chunk(src, c, n, vector, more);
       encode_chunk<Codec>(more, dst, c, n, p, key, stochastic, vector);
@@ -161,13 +163,16 @@ __global__ void __launch_bounds__(kThreads)
 
 // 64-bit division costs far more than 32-bit on the GPU; chunk indices fit 32 bits below 64 GiB.
 __device__ __forceinline__ int64_t group_of_chunk(int64_t chunk, int64_t chunks_per_group) {
-  if ((chunk | chunks_per_group) <= INT_MAX) return static_cast<uint32_t>(chunk) / static_cast<uint32_t>(chunks_per_group);
+  if ((chunk | chunks_per_group) <= INT_MAX) {
+    return static_cast<uint32_t>(chunk) / static_cast<uint32_t>(chunks_per_group);
+  }
   return chunk / chunks_per_group;
 }
 
 // Rebuilds output elements [base, base + V) one by one: chunks that straddle groups or the end.
 template <typename T, typename Codec>
-__device__ __forceinline__ void dequantize_elements(const uint8_t* __restrict__ codes, const uint16_t* __restrict__ scale,
+__device__ __forceinline__ void dequantize_elements(const uint8_t* __restrict__ codes,
+                                                    const uint16_t* __restrict__ scale,
                                                     const uint16_t* __restrict__ offset, T* __restrict__ out,
                                                     int64_t base, int64_t numel, int64_t group_size, bool bf16_params) {
   constexpr int kBits = Codec::kBits;
@@ -265,8 +270,8 @@ at::Tensor dequantize_cuda_impl(const at::Tensor& codes, const at::Tensor& scale
     constexpr int V = chunk_elems<scalar_t>();
     scalar_t* y = out.mutable_data_ptr<scalar_t>();
     const bool vector = group_size % V == 0 && aligned(codes_ptr, V * Codec::kBits / 8) && aligned(y, 16);
-    const int64_t chunks = (numel + V - 1) / V;
-    dequantize_kernel<scalar_t, Codec><<<blocks_for((chunks + kDequantChunks - 1) / kDequantChunks), kThreads, 0, stream>>>(
+    const int blocks = blocks_for(((numel + V - 1) / V + kDequantChunks - 1) / kDequantChunks);
+    dequantize_kernel<scalar_t, Codec><<<blocks, kThreads, 0, stream>>>(
         codes_ptr, static_cast<const uint16_t*>(scale_c.const_data_ptr()),
         offset ? static_cast<const uint16_t*>(offset_c.const_data_ptr()) : nullptr, y, numel, group_size, vector,
         scale.scalar_type() == at::kBFloat16);

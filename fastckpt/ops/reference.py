@@ -135,7 +135,7 @@ def quantize_per_group_ref(
     scale = _round_to_param(torch.clamp(step, min=_MIN_NORMAL), param_dtype, up=True)
     finite &= torch.isfinite(offset.float()) & torch.isfinite(scale.float())
     t = (values - offset.float()[:, None]) * (1.0 / scale.float())[:, None]
-    t = torch.where(t > 0, t, 0.0)
+    t = torch.where(t < 0, 0.0, t)
     t = torch.where(t < max_code, t, float(max_code))
     u = _uniform01(seed, values.shape[0], group_size, x.device) if stochastic else 0.5
     codes = torch.clamp((t + u).to(torch.int32), max=max_code)

@@ -1,0 +1,187 @@
+"""Kernel efficiency of fastckpt's ops: eta = compulsory bytes / median time / memcpy bandwidth.
+
+Compulsory bytes are what an op must read plus what it must write (input, codes, scales, output).
+memcpy bandwidth is `dst.copy_(src)` on buffers of the same size, on the same device with the same
+thread count, measured in the same run and counted as read + write. Sizes are those of the
+uncompressed tensor (quantize's input, dequantize's output).
+
+    python -m benchmarks ops [--device cpu|cuda] [--out DIR] [--quick]
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.harness import write_csv
+from fastckpt.ops import (
+    DEFAULT_GROUP_SIZE,
+    FP8_DEFAULT_GROUP_SIZE,
+    dequantize_fp8_per_group,
+    dequantize_per_group,
+    pack_bits,
+    quantize_fp8_per_group,
+    quantize_per_group,
+    unpack_bits,
+)
+
+SIZES_MB = (1, 8, 32, 64, 256)
+QUICK_SIZES_MB = (1, 8, 32)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+WARMUP = 2
+MIN_REPEATS, MAX_REPEATS, SECONDS_PER_CASE = 5, 50, 0.3
+ETA_TARGET = {"cpu": (0.5, 8), "cuda": (0.8, 32)}  # (eta, from this size in MB): DESIGN.md §7
+COLUMNS = ("op", "dtype", "size_mb", "time_ms", "gb_s", "eta", "memcpy_gb_s", "device", "threads")
+
+
+@dataclass
+class Case:
+    op: str
+    dtype: str
+    run: Callable[[], object]
+    bytes_moved: int
+
+
+def _nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _cases(x: torch.Tensor) -> list[Case]:
+    """Every op on x (quantize/pack) or on x's stored form (dequantize/unpack)."""
+    dtype = str(x.dtype).removeprefix("torch.")
+    cases = []
+    for bits, group in DEFAULT_GROUP_SIZE.items():
+        stored = quantize_per_group(x, bits, group)
+        moved = _nbytes(x, *stored)
+        cases.append(Case(f"quantize_int{bits}", dtype, lambda b=bits, g=group: quantize_per_group(x, b, g), moved))
+        cases.append(
+            Case(
+                f"dequantize_int{bits}",
+                dtype,
+                lambda s=stored, b=bits, g=group: dequantize_per_group(*s, b, g, x.dtype, x.shape),
+                moved,
+            )
+        )
+    stored = quantize_fp8_per_group(x, FP8_DEFAULT_GROUP_SIZE)
+    moved = _nbytes(x, *stored)
+    cases.append(Case("quantize_fp8", dtype, lambda: quantize_fp8_per_group(x, FP8_DEFAULT_GROUP_SIZE), moved))
+    cases.append(
+        Case(
+            "dequantize_fp8",
+            dtype,
+            lambda: dequantize_fp8_per_group(*stored, FP8_DEFAULT_GROUP_SIZE, x.dtype, x.shape),
+            moved,
+        )
+    )
+    packed = pack_bits(x)
+    cases.append(Case("pack_bits", dtype, lambda: pack_bits(x), _nbytes(x, packed)))
+    if x.dtype == torch.float32:  # unpack_bits writes bool whatever the mask was
+        mask = unpack_bits(packed, x.shape)
+        cases.append(Case("unpack_bits", "bool", lambda: unpack_bits(packed, x.shape), _nbytes(packed, mask)))
+    return cases
+
+
+def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Median wall time of fn after warm-up; CUDA runs are timed with events on the current stream."""
+    cuda = device.type == "cuda"
+    for _ in range(WARMUP):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    samples: list[float] = []
+    while len(samples) < MIN_REPEATS or (len(samples) < MAX_REPEATS and sum(samples) < SECONDS_PER_CASE):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            fn()
+            samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
+
+
+def _memcpy_bandwidth(size_bytes: int, device: torch.device) -> float:
+    """Bytes per second (read + write) of dst.copy_(src) on size_bytes buffers."""
+    src = torch.empty(size_bytes, dtype=torch.uint8, device=device).random_()
+    dst = torch.empty_like(src)
+    return 2 * size_bytes / _median_seconds(lambda: dst.copy_(src), device)
+
+
+def _reuse_freed_host_memory() -> bool:
+    """Make glibc keep freed blocks for reuse instead of unmapping them (True when it applied).
+
+    Every op allocates its outputs; fresh mappings page-fault on first touch at a fraction of memcpy
+    speed, which would time the kernel's allocator rather than the kernel. Reusing freed memory is what
+    torch's CUDA caching allocator does on the GPU; the memcpy baseline writes into a reused buffer too.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(libc.mallopt(m_mmap_threshold, 1 << 30)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
+
+
+def _format_table(rows: list[dict]) -> str:
+    header = f"{'op':<16}{'dtype':<10}{'size MB':>8}{'time ms':>10}{'GB/s':>9}{'eta':>7}"
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        lines.append(
+            f"{r['op']:<16}{r['dtype']:<10}{r['size_mb']:>8}{r['time_ms']:>10.3f}{r['gb_s']:>9.1f}{r['eta']:>7.2f}"
+        )
+    return "\n".join(lines)
+
+
+def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
+    """Measure every op at every size and dtype; print the table, write a CSV to `out` when given."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    tuned = dev.type == "cpu" and _reuse_freed_host_memory()
+    threads = torch.get_num_threads()
+    print(f"device {dev}, {threads} threads" + (", glibc malloc reusing freed memory" if tuned else ""))
+    rows: list[dict] = []
+    for size_mb in QUICK_SIZES_MB if quick else SIZES_MB:
+        memcpy = _memcpy_bandwidth(size_mb << 20, dev)
+        print(f"memcpy {size_mb} MB: {memcpy / 1e9:.1f} GB/s")
+        for dtype in DTYPES:
+            numel = (size_mb << 20) // torch.tensor([], dtype=dtype).element_size()
+            x = torch.randn(numel, device=dev).to(dtype)
+            for case in _cases(x):
+                seconds = _median_seconds(case.run, dev)
+                rate = case.bytes_moved / seconds
+                rows.append(
+                    dict(
+                        op=case.op,
+                        dtype=case.dtype,
+                        size_mb=size_mb,
+                        time_ms=seconds * 1e3,
+                        gb_s=rate / 1e9,
+                        eta=rate / memcpy,
+                        memcpy_gb_s=memcpy / 1e9,
+                        device=str(dev),
+                        threads=threads,
+                    )
+                )
+            del x
+    print(_format_table(rows))
+    eta, from_mb = ETA_TARGET.get(dev.type, ETA_TARGET["cuda"])
+    judged = [r for r in rows if r["size_mb"] >= from_mb]
+    met = sum(r["eta"] >= eta for r in judged)
+    print(f"target eta >= {eta} from {from_mb} MB: met by {met} of {len(judged)} rows")
+    if out:
+        write_csv(rows, out, f"ops_{dev.type}.csv")
+    return rows
