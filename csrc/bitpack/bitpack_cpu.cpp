@@ -1,30 +1,72 @@
-// CPU kernels of the bitpack family: one pass, parallel over output bytes.
+// CPU kernels of the bitpack family: one pass, parallel over 64-element words.
+//
+// Eight 0/1 flag bytes become one packed byte with a multiply: for w = sum_i f_i << 8i (f_i in {0,1}),
+// w * 0x0102040810204080 gathers bit 8i of w into bit 56+i, so (w * magic) >> 56 is the packed byte.
+// Unpacking goes the other way through a 256-entry table of 8 flag bytes. Nonzero tests look at the
+// bits (sign masked off), so -0 counts as zero and NaN as set without any float conversion.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <array>
+#include <cstring>
 
 #include "bitpack/bitpack.h"
 
 namespace fastckpt {
 namespace {
 
-constexpr int64_t kGrainBytes = 1 << 14;
+constexpr int64_t kGrainWords = 1 << 11;  // 64 elements per word
+constexpr uint64_t kGatherBits = 0x0102040810204080ull;
+
+// An unsigned integer type of T's width, and the mask of its non-sign bits.
+template <typename T>
+struct Bits;
+template <>
+struct Bits<float> {
+  using type = uint32_t;
+  static constexpr type kMagnitude = 0x7FFFFFFFu;
+};
+template <>
+struct Bits<c10::Half> {
+  using type = uint16_t;
+  static constexpr type kMagnitude = 0x7FFFu;
+};
+template <>
+struct Bits<c10::BFloat16> {
+  using type = uint16_t;
+  static constexpr type kMagnitude = 0x7FFFu;
+};
+template <>
+struct Bits<bool> {
+  using type = uint8_t;
+  static constexpr type kMagnitude = 0xFFu;
+};
 
 template <typename T>
-void pack_bits_kernel(const T* src, uint8_t* dst, int64_t numel) {
-  const int64_t full_bytes = numel / 8;
-  at::parallel_for(0, full_bytes, kGrainBytes, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const T* s = src + b * 8;
-      uint8_t byte = 0;
-      for (int i = 0; i < 8; ++i) byte |= static_cast<uint8_t>(s[i] != T(0)) << i;
-      dst[b] = byte;
+inline uint8_t pack_flags(const uint8_t* flags) {
+  uint64_t w;
+  std::memcpy(&w, flags, 8);
+  return static_cast<uint8_t>(((w & 0x0101010101010101ull) * kGatherBits) >> 56);
+}
+
+template <typename T>
+void pack_bits_kernel(const T* src_t, uint8_t* dst, int64_t numel) {
+  using U = typename Bits<T>::type;
+  const U* src = reinterpret_cast<const U*>(src_t);
+  const int64_t words = numel / 64;
+  at::parallel_for(0, words, kGrainWords, [&](int64_t begin, int64_t end) {
+    alignas(64) uint8_t flags[64];
+    for (int64_t w = begin; w < end; ++w) {
+      const U* s = src + w * 64;
+      for (int i = 0; i < 64; ++i) flags[i] = (s[i] & Bits<T>::kMagnitude) != 0;  // vectorizes
+      for (int b = 0; b < 8; ++b) dst[w * 8 + b] = pack_flags<T>(flags + 8 * b);
     }
   });
-  if (numel % 8) {  // the partial last byte, its unused high bits zero
-    uint8_t byte = 0;
-    for (int64_t i = full_bytes * 8; i < numel; ++i) byte |= static_cast<uint8_t>(src[i] != T(0)) << (i % 8);
-    dst[full_bytes] = byte;
+  for (int64_t i = words * 64; i < numel; i += 8) {  // the tail: whole bytes, the last one partial
+    uint8_t flags[8] = {0};
+    for (int64_t k = 0; k < 8 && i + k < numel; ++k) flags[k] = (src[i + k] & Bits<T>::kMagnitude) != 0;
+    dst[i / 8] = pack_flags<T>(flags);
   }
 }
 
@@ -35,24 +77,41 @@ at::Tensor pack_bits_cpu(const at::Tensor& mask) {
   auto out = at::empty({(numel + 7) / 8}, mask.options().dtype(at::kByte));
   if (numel == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND3(at::kBool, at::kHalf, at::kBFloat16, src.scalar_type(), "pack_bits_cpu", [&] {
-    pack_bits_kernel<scalar_t>(src.const_data_ptr<scalar_t>(), out.mutable_data_ptr<uint8_t>(), numel);
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      TORCH_CHECK(false, "pack_bits: float64 masks are not supported");  // rejected by the check above
+    } else {
+      pack_bits_kernel<scalar_t>(src.const_data_ptr<scalar_t>(), out.mutable_data_ptr<uint8_t>(), numel);
+    }
   });
   return out;
 }
+
+// kSpread[byte] holds the 8 flag bytes (0 or 1) of `byte`, lowest bit first.
+constexpr std::array<uint64_t, 256> make_spread_table() {
+  std::array<uint64_t, 256> table{};
+  for (int byte = 0; byte < 256; ++byte) {
+    uint64_t w = 0;
+    for (int i = 0; i < 8; ++i) w |= static_cast<uint64_t>((byte >> i) & 1) << (8 * i);
+    table[byte] = w;
+  }
+  return table;
+}
+constexpr auto kSpread = make_spread_table();
 
 at::Tensor unpack_bits_cpu(const at::Tensor& packed, at::IntArrayRef shape) {
   const int64_t numel = check_unpack_bits_input(packed, shape);
   auto out = at::empty(shape, packed.options().dtype(at::kBool));
   if (numel == 0) return out;
   const uint8_t* src = packed.const_data_ptr<uint8_t>();
-  bool* dst = out.mutable_data_ptr<bool>();
-  at::parallel_for(0, (numel + 7) / 8, kGrainBytes, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const uint8_t byte = src[b];
-      const int n = static_cast<int>(std::min<int64_t>(8, numel - b * 8));
-      for (int i = 0; i < n; ++i) dst[b * 8 + i] = (byte >> i) & 1;
-    }
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.mutable_data_ptr<bool>());
+  const int64_t full_bytes = numel / 8;
+  at::parallel_for(0, full_bytes, kGrainWords * 8, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) std::memcpy(dst + b * 8, &kSpread[src[b]], 8);
   });
+  if (numel % 8) {
+    const uint64_t w = kSpread[src[full_bytes]];
+    std::memcpy(dst + full_bytes * 8, &w, numel % 8);
+  }
   return out;
 }
 
