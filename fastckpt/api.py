@@ -66,6 +66,9 @@ class _Checkpointed:
         return _Checkpointed(bind(instance, owner), self.options)
 
 
+# Under torch.compile the checkpointed call runs eagerly (a graph break): dynamo would otherwise trace
+# the forward but not the recompute, and the two would save different tensors.
+@torch.compiler.disable
 def _run(
     function: Callable[..., Any],
     args: tuple,
