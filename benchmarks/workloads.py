@@ -37,7 +37,7 @@ class StackShape:
 # The embedded default workloads, sized so one step is tens of milliseconds on each device kind.
 DEFAULT_SHAPES = {
     "cpu": StackShape(layers=6, dim=256, heads=4, batch=8, seq=128),
-    "cuda": StackShape(layers=12, dim=1024, heads=16, batch=8, seq=1024),
+    "cuda": StackShape(layers=12, dim=1024, heads=16, batch=4, seq=1024),
 }
 
 

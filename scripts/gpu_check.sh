@@ -26,8 +26,8 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a deadline, log to $out/NAME.lo
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; "$py" -c "import torch; print(torch.__version__, torch.version.cuda)"; git rev-parse HEAD 2>/dev/null; } >"$out/env.log" 2>&1
 if step build 150 "$py" setup.py build_ext --inplace; then
   step info 15 "$py" -m fastckpt.info
-  step tests 100 "$py" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/tests.xml"
-  step bench 70 "$py" -m benchmarks checkpoint --device cuda --out "$out"
+  step tests 90 "$py" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/tests.xml"
+  step bench 90 "$py" -m benchmarks checkpoint --device cuda --out "$out"
   step bench_ops 60 "$py" -m benchmarks ops --device cuda --out "$out"
   step bench_train 45 "$py" -m benchmarks train --device cuda --quick --out "$out"
 fi
