@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -77,19 +77,10 @@ class Policy:
         """True for plain recompute, the behaviour of torch.utils.checkpoint."""
         return self.recompute and self.codec is None and not self.offload
 
-    @property
-    def is_plain_storage(self) -> bool:
-        """True for 'save': no recompute, tensors kept as autograd would keep them."""
-        return not self.recompute and self.codec is None and not self.offload
-
     def __str__(self) -> str:
         tokens = (["recompute"] if self.recompute else []) + ([self.codec] if self.codec else [])
         tokens += ["offload"] if self.offload else []
         return "+".join(tokens) or "save"
-
-    def with_options(self, **changes) -> Policy:
-        """A copy with some fields changed (validated again)."""
-        return replace(self, **changes)
 
 
 RECOMPUTE = Policy()
