@@ -8,6 +8,7 @@ With early stop the recompute is cut off as soon as every live holder is filled.
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 import weakref
 from collections import defaultdict
@@ -83,8 +84,8 @@ class _Frame:
         self.forward_completed = False
         self.ignore_count_mismatch = False
 
-    def save_inputs(self, args: tuple, kwargs: dict) -> None:
-        self.input_tree = FlatTree((args, kwargs))
+    def save_inputs(self, inputs: FlatTree) -> None:
+        self.input_tree = inputs
         anchor = torch.empty(0, requires_grad=True)
         self.input_saver = _SaveInputs.apply(anchor, *self.input_tree.tensors).grad_fn
         self.input_tree.tensors = []  # the saver node's SavedVariables own them from here on
@@ -257,18 +258,16 @@ def checkpoint_non_reentrant(
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
 
-    state = ForwardState.capture(FlatTree((args, kwargs)).tensors, preserve_rng_state)
+    inputs = FlatTree((args, kwargs))
+    state = ForwardState.capture(inputs.tensors, preserve_rng_state)
 
     def recompute_fn(*re_args: Any, **re_kwargs: Any) -> None:
         with state.replay(), recompute_context:
             function(*re_args, **re_kwargs)
 
     frame = _Frame(recompute_fn, _resolve_early_stop(early_stop), metadata_fn, on_unpack_error)
-    if input_hooks is None:
-        frame.save_inputs(args, kwargs)
-    else:
-        with input_hooks():
-            frame.save_inputs(args, kwargs)
+    with input_hooks() if input_hooks is not None else contextlib.nullcontext():
+        frame.save_inputs(inputs)
 
     completed = False
     with _forward_hooks(frame), forward_context:
