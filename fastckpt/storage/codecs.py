@@ -1,7 +1,7 @@
 """Compressed storage of one tensor: per-group int8/int4/int2, fp8, and exact 1-bit masks.
 
-Each encoder returns the payload tensors (all that is kept) and a decoder closure-free record;
-the kernels are the compiled ops in fastckpt.ops.
+`encode` returns an `Encoded` record (the payload tensors are all that is kept); `decode` rebuilds
+the tensor from it. The kernels are the compiled ops in fastckpt.ops.
 """
 
 from __future__ import annotations
@@ -24,10 +24,6 @@ class Encoded:
     group_size: int
     dtype: torch.dtype
     shape: torch.Size
-
-    @property
-    def nbytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.payload)
 
 
 def encode(t: torch.Tensor, codec: str, group_size: int | None, stochastic: bool) -> Encoded:
