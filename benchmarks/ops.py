@@ -155,28 +155,34 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
     print(f"device {dev}, {threads} threads" + (", glibc malloc reusing freed memory" if tuned else ""))
     rows: list[dict] = []
     for size_mb in QUICK_SIZES_MB if quick else SIZES_MB:
-        memcpy = _memcpy_bandwidth(size_mb << 20, dev)
-        print(f"memcpy {size_mb} MB: {memcpy / 1e9:.1f} GB/s")
+        # memcpy is sampled between the dtypes and its median taken: on a shared machine one sample
+        # can be off by 2x, and every eta of this size is divided by it.
+        memcpy_samples = [_memcpy_bandwidth(size_mb << 20, dev)]
+        size_rows: list[dict] = []
         for dtype in DTYPES:
             numel = (size_mb << 20) // torch.tensor([], dtype=dtype).element_size()
             x = torch.randn(numel, device=dev).to(dtype)
             for case in _cases(x):
                 seconds = _median_seconds(case.run, dev)
-                rate = case.bytes_moved / seconds
-                rows.append(
+                size_rows.append(
                     dict(
                         op=case.op,
                         dtype=case.dtype,
                         size_mb=size_mb,
                         time_ms=seconds * 1e3,
-                        gb_s=rate / 1e9,
-                        eta=rate / memcpy,
-                        memcpy_gb_s=memcpy / 1e9,
+                        gb_s=case.bytes_moved / seconds / 1e9,
                         device=str(dev),
                         threads=threads,
                     )
                 )
             del x
+            memcpy_samples.append(_memcpy_bandwidth(size_mb << 20, dev))
+        memcpy = statistics.median(memcpy_samples)
+        spread = ", ".join(f"{m / 1e9:.0f}" for m in memcpy_samples)
+        print(f"memcpy {size_mb} MB: {memcpy / 1e9:.1f} GB/s (median of {spread})")
+        for row in size_rows:
+            row.update(eta=row["gb_s"] * 1e9 / memcpy, memcpy_gb_s=memcpy / 1e9)
+        rows += size_rows
     print(_format_table(rows))
     eta, from_mb = ETA_TARGET.get(dev.type, ETA_TARGET["cuda"])
     judged = [r for r in rows if r["size_mb"] >= from_mb]

@@ -106,7 +106,7 @@ FASTCKPT_HD uint32_t float_to_half_bits(float f) {
   const uint32_t subnormal = float_bits(float_from_bits(a) + 0.5f) - 0x3F000000u;
   uint32_t mag = a < 0x38800000u ? subnormal : normal;
   mag = a >= 0x477FF000u ? 0x7C00u : mag;  // 65520 and above round to Inf
-  mag = a > 0x7F800000u ? 0x7E00u : mag;   // NaN stays NaN
+  mag = a > 0x7F800000u ? 0x7E00u | ((a >> 13) & 0x3FFu) : mag;  // NaN stays (quiet) NaN, payload kept as x86 does
   return sign | mag;
 }
 

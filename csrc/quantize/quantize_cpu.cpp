@@ -8,6 +8,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <tuple>
@@ -78,9 +79,11 @@ __attribute__((target("avx,f16c"))) void float_to_half_f16c(const float* src, c1
 }
 #endif
 
+// FASTCKPT_DISABLE_F16C=1 (read once) forces the portable path, so tests cover it on any machine.
 bool cpu_has_f16c() {
 #ifdef FASTCKPT_HAVE_F16C_PATH
-  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c");
+  static const bool has = __builtin_cpu_supports("avx") && __builtin_cpu_supports("f16c") &&
+                          std::getenv("FASTCKPT_DISABLE_F16C") == nullptr;
   return has;
 #else
   return false;

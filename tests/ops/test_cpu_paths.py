@@ -1,0 +1,68 @@
+"""The CPU kernels pick instruction sets at run time (F16C for fp16 blocks); the portable fallback,
+forced with FASTCKPT_DISABLE_F16C=1, must give the same bits as the reference."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fastckpt.ops.reference import (
+    dequantize_fp8_per_group_ref,
+    dequantize_per_group_ref,
+    quantize_fp8_per_group_ref,
+    quantize_per_group_ref,
+)
+from tests.ops.quant_helpers import assert_bitwise_equal, hard_groups, sample
+
+GROUP_SIZE = 64
+REPO = Path(__file__).resolve().parents[2]
+
+# Runs in a fresh process (the switch is read once): every fp16 round trip, saved for the parent.
+ROUND_TRIPS = """
+import sys, torch
+from fastckpt.ops import quantize_per_group, dequantize_per_group, quantize_fp8_per_group, dequantize_fp8_per_group
+x, group = torch.load(sys.argv[1]), int(sys.argv[3])
+out = {}
+for bits in (8, 4, 2):
+    stored = quantize_per_group(x, bits, group)
+    out[bits] = stored + (dequantize_per_group(*stored, bits, group, x.dtype, x.shape),)
+stored = quantize_fp8_per_group(x, group)
+out["fp8"] = stored + (dequantize_fp8_per_group(*stored, group, x.dtype, x.shape),)
+torch.save(out, sys.argv[2])
+"""
+
+
+def fp16_inputs() -> torch.Tensor:
+    """Subnormals, NaN/Inf groups, extremes and a tail that is not a whole group or 8-element vector."""
+    tiny = torch.tensor([6e-8, -6e-8, 3e-5, -1e-5, 0.0, -0.0]).repeat(GROUP_SIZE)[:GROUP_SIZE]
+    with_nan, with_inf = sample((2, GROUP_SIZE), torch.float32, "cpu", seed=3)
+    with_nan[5], with_inf[7] = float("nan"), float("-inf")
+    rows = [hard_groups(torch.float16, GROUP_SIZE).reshape(-1), tiny, with_nan, with_inf]
+    return torch.cat([r.half() for r in rows] + [sample((9 * GROUP_SIZE + 13,), torch.float16, "cpu")])
+
+
+@pytest.mark.parametrize("disable_f16c", [True, False])
+def test_fp16_paths_match_the_reference(tmp_path, disable_f16c):
+    x = fp16_inputs()
+    torch.save(x, tmp_path / "x.pt")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    if disable_f16c:
+        env["FASTCKPT_DISABLE_F16C"] = "1"
+    else:
+        env.pop("FASTCKPT_DISABLE_F16C", None)
+    subprocess.run(
+        [sys.executable, "-c", ROUND_TRIPS, tmp_path / "x.pt", tmp_path / "out.pt", str(GROUP_SIZE)],
+        check=True,
+        env=env,
+    )
+    out = torch.load(tmp_path / "out.pt")
+    for bits in (8, 4, 2):
+        expected = quantize_per_group_ref(x, bits, GROUP_SIZE)
+        decoded = dequantize_per_group_ref(*expected, bits, GROUP_SIZE, x.dtype, list(x.shape))
+        assert_bitwise_equal(out[bits], expected + (decoded,))
+    expected = quantize_fp8_per_group_ref(x, GROUP_SIZE)
+    decoded = dequantize_fp8_per_group_ref(*expected, GROUP_SIZE, x.dtype, list(x.shape))
+    assert_bitwise_equal(out["fp8"], expected + (decoded,))
