@@ -2,7 +2,7 @@
 
 Compulsory bytes are what an op must read plus what it must write (input, codes, scales, output).
 memcpy bandwidth is `dst.copy_(src)` on buffers of the same size, on the same device with the same
-thread count, measured in the same run and counted as read + write. Sizes are those of the
+thread count, counted as read + write, and sampled alternately with each op (same time window). Sizes are those of the
 uncompressed tensor (quantize's input, dequantize's output).
 
     python -m benchmarks ops [--device cpu|cuda] [--out DIR] [--quick]
@@ -87,34 +87,47 @@ def _cases(x: torch.Tensor) -> list[Case]:
     return cases
 
 
-def _median_seconds(fn: Callable[[], object], device: torch.device) -> float:
-    """Median wall time of fn after warm-up; CUDA runs are timed with events on the current stream."""
+def _seconds(fn: Callable[[], object], cuda: bool) -> float:
+    """Wall time of one call; CUDA calls are timed with events on the current stream."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
+def _paired_medians(
+    fn: Callable[[], object], baseline: Callable[[], object], device: torch.device
+) -> tuple[float, float]:
+    """Median seconds of fn and of baseline, sampled alternately after warm-up.
+
+    On a shared machine memory bandwidth drifts by 2x within a minute; pairing each sample of the op
+    with a memcpy sample taken just before it keeps their ratio (eta) steady while both move.
+    """
     cuda = device.type == "cuda"
     for _ in range(WARMUP):
+        baseline()
         fn()
     if cuda:
         torch.cuda.synchronize(device)
-    samples: list[float] = []
-    while len(samples) < MIN_REPEATS or (len(samples) < MAX_REPEATS and sum(samples) < SECONDS_PER_CASE):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - begin)
-    return statistics.median(samples)
+    ops: list[float] = []
+    copies: list[float] = []
+    while len(ops) < MIN_REPEATS or (len(ops) < MAX_REPEATS and sum(ops) + sum(copies) < SECONDS_PER_CASE):
+        copies.append(_seconds(baseline, cuda))
+        ops.append(_seconds(fn, cuda))
+    return statistics.median(ops), statistics.median(copies)
 
 
-def _memcpy_bandwidth(size_bytes: int, device: torch.device) -> float:
-    """Bytes per second (read + write) of dst.copy_(src) on size_bytes buffers."""
+def _memcpy(size_bytes: int, device: torch.device) -> Callable[[], object]:
+    """dst.copy_(src) on size_bytes buffers: the baseline, moving 2 * size_bytes."""
     src = torch.empty(size_bytes, dtype=torch.uint8, device=device).random_()
     dst = torch.empty_like(src)
-    return 2 * size_bytes / _median_seconds(lambda: dst.copy_(src), device)
+    return lambda: dst.copy_(src)
 
 
 def _reuse_freed_host_memory() -> bool:
@@ -135,11 +148,12 @@ def _reuse_freed_host_memory() -> bool:
 
 
 def _format_table(rows: list[dict]) -> str:
-    header = f"{'op':<16}{'dtype':<10}{'size MB':>8}{'time ms':>10}{'GB/s':>9}{'eta':>7}"
+    header = f"{'op':<16}{'dtype':<10}{'size MB':>8}{'time ms':>10}{'GB/s':>9}{'memcpy':>9}{'eta':>7}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['op']:<16}{r['dtype']:<10}{r['size_mb']:>8}{r['time_ms']:>10.3f}{r['gb_s']:>9.1f}{r['eta']:>7.2f}"
+            f"{r['op']:<16}{r['dtype']:<10}{r['size_mb']:>8}{r['time_ms']:>10.3f}{r['gb_s']:>9.1f}"
+            f"{r['memcpy_gb_s']:>9.1f}{r['eta']:>7.2f}"
         )
     return "\n".join(lines)
 
@@ -155,34 +169,28 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
     print(f"device {dev}, {threads} threads" + (", glibc malloc reusing freed memory" if tuned else ""))
     rows: list[dict] = []
     for size_mb in QUICK_SIZES_MB if quick else SIZES_MB:
-        # memcpy is sampled between the dtypes and its median taken: on a shared machine one sample
-        # can be off by 2x, and every eta of this size is divided by it.
-        memcpy_samples = [_memcpy_bandwidth(size_mb << 20, dev)]
-        size_rows: list[dict] = []
+        size_bytes = size_mb << 20
+        memcpy = _memcpy(size_bytes, dev)
         for dtype in DTYPES:
-            numel = (size_mb << 20) // torch.tensor([], dtype=dtype).element_size()
-            x = torch.randn(numel, device=dev).to(dtype)
+            x = torch.randn(size_bytes // torch.tensor([], dtype=dtype).element_size(), device=dev).to(dtype)
             for case in _cases(x):
-                seconds = _median_seconds(case.run, dev)
-                size_rows.append(
+                seconds, copy_seconds = _paired_medians(case.run, memcpy, dev)
+                rate, copy_rate = case.bytes_moved / seconds, 2 * size_bytes / copy_seconds
+                rows.append(
                     dict(
                         op=case.op,
                         dtype=case.dtype,
                         size_mb=size_mb,
                         time_ms=seconds * 1e3,
-                        gb_s=case.bytes_moved / seconds / 1e9,
+                        gb_s=rate / 1e9,
+                        eta=rate / copy_rate,
+                        memcpy_gb_s=copy_rate / 1e9,
                         device=str(dev),
                         threads=threads,
                     )
                 )
             del x
-            memcpy_samples.append(_memcpy_bandwidth(size_mb << 20, dev))
-        memcpy = statistics.median(memcpy_samples)
-        spread = ", ".join(f"{m / 1e9:.0f}" for m in memcpy_samples)
-        print(f"memcpy {size_mb} MB: {memcpy / 1e9:.1f} GB/s (median of {spread})")
-        for row in size_rows:
-            row.update(eta=row["gb_s"] * 1e9 / memcpy, memcpy_gb_s=memcpy / 1e9)
-        rows += size_rows
+        del memcpy
     print(_format_table(rows))
     eta, from_mb = ETA_TARGET.get(dev.type, ETA_TARGET["cuda"])
     judged = [r for r in rows if r["size_mb"] >= from_mb]
