@@ -2,11 +2,14 @@
 # One prepared check for a machine with an NVIDIA GPU and the CUDA toolkit (the device tool's
 # H200 image: torch preinstalled, nothing downloadable). Builds fastckpt._C against that
 # machine's torch for arch 9.0, runs the cuda-marked tests and the GPU benchmark, and writes
-# logs and results into the folder given as $1; the step deadlines add up to under 8 minutes.
-# Usage: scripts/gpu_check.sh "$OUT"
+# into the folder given as $1 five files (the device tool returns at most 8): summary.txt, the
+# benchmarks' CSVs and logs.tar.gz (every step's log, the tests' JUnit XML). The step deadlines add
+# up to under 8 minutes. Usage: scripts/gpu_check.sh "$OUT"
 set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUTPUT_DIR}"
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
+logs=$(mktemp -d)
 cd "$(dirname "$0")/.."
 export FASTCKPT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}"
 export PYTHONUNBUFFERED=1
@@ -17,25 +20,28 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a deadline, log to $out/NAME.lo
   local name=$1 limit=$2
   shift 2
   local t0=$(date +%s)
-  timeout "$limit" "$@" >"$out/$name.log" 2>&1
+  timeout "$limit" "$@" >"$logs/$name.log" 2>&1
   local rc=$?
   status+=("$name: rc=$rc, $(( $(date +%s) - t0 )) s")
   return $rc
 }
 
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; "$py" -c "import torch; print(torch.__version__, torch.version.cuda)"; git rev-parse HEAD 2>/dev/null; } >"$out/env.log" 2>&1
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; "$py" -c "import torch; print(torch.__version__, torch.version.cuda)"; git rev-parse HEAD 2>/dev/null; } >"$logs/env.log" 2>&1
 if step build 150 "$py" setup.py build_ext --inplace; then
   step info 15 "$py" -m fastckpt.info
-  step tests 90 "$py" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$out/tests.xml"
+  step tests 90 "$py" -m pytest -q -m cuda -p no:cacheprovider --junitxml="$logs/tests.xml"
   step bench 90 "$py" -m benchmarks checkpoint --device cuda --out "$out"
   step bench_ops 60 "$py" -m benchmarks ops --device cuda --out "$out"
   step bench_train 45 "$py" -m benchmarks train --device cuda --quick --out "$out"
 fi
 
-echo "== gpu_check summary =="
-cat "$out/env.log"
-printf '%s\n' "${status[@]}"
-[ -f "$out/tests.log" ] && tail -n 3 "$out/tests.log"
-for log in bench bench_ops bench_train; do [ -f "$out/$log.log" ] && grep -v '^USDT' "$out/$log.log" | tail -n 25; done
-[ -f "$out/build.log" ] && grep -m5 -E "error|FAILED" "$out/build.log"
+{
+  echo "== gpu_check summary =="
+  cat "$logs/env.log"
+  printf '%s\n' "${status[@]}"
+  [ -f "$logs/tests.log" ] && tail -n 3 "$logs/tests.log"
+  for log in info bench bench_ops bench_train; do [ -f "$logs/$log.log" ] && grep -v '^USDT' "$logs/$log.log" | tail -n 40; done
+  [ -f "$logs/build.log" ] && grep -m5 -E "error|FAILED" "$logs/build.log"
+} 2>&1 | tee "$out/summary.txt"
+tar -czf "$out/logs.tar.gz" -C "$logs" .
 true
