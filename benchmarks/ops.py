@@ -2,7 +2,7 @@
 
 Compulsory bytes are what an op must read plus what it must write (input, codes, scales, output).
 memcpy bandwidth is `dst.copy_(src)` on buffers of the same size, on the same device with the same
-thread count, counted as read + write, and sampled alternately with each op (same time window). Sizes are those of the
+thread count, counted as read + write, and measured just before and just after each op. Sizes are those of the
 uncompressed tensor (quantize's input, dequantize's output).
 
     python -m benchmarks ops [--device cpu|cuda] [--out DIR] [--quick]
@@ -34,7 +34,7 @@ from fastckpt.ops import (
 SIZES_MB = (1, 8, 32, 64, 256)
 QUICK_SIZES_MB = (1, 8, 32)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-WARMUP = 2
+WARMUP = 4  # calls before timing: steady state takes ~4 on the CPU machine (allocator, caches)
 MIN_REPEATS, MAX_REPEATS, SECONDS_PER_CASE = 5, 50, 0.3
 ETA_TARGET = {"cpu": (0.5, 8), "cuda": (0.8, 32)}  # (eta, from this size in MB): DESIGN.md §7
 COLUMNS = ("op", "dtype", "size_mb", "time_ms", "gb_s", "eta", "memcpy_gb_s", "device", "threads")
@@ -101,26 +101,31 @@ def _seconds(fn: Callable[[], object], cuda: bool) -> float:
     return time.perf_counter() - begin
 
 
-def _paired_medians(
-    fn: Callable[[], object], baseline: Callable[[], object], device: torch.device
-) -> tuple[float, float]:
-    """Median seconds of fn and of baseline, sampled alternately after warm-up.
-
-    On a shared machine memory bandwidth drifts by 2x within a minute; pairing each sample of the op
-    with a memcpy sample taken just before it keeps their ratio (eta) steady while both move.
-    """
+def _steady_median(fn: Callable[[], object], device: torch.device) -> float:
+    """Median seconds of fn's calls after warm-up (it takes a few calls to reach steady state)."""
     cuda = device.type == "cuda"
     for _ in range(WARMUP):
-        baseline()
         fn()
     if cuda:
         torch.cuda.synchronize(device)
-    ops: list[float] = []
-    copies: list[float] = []
-    while len(ops) < MIN_REPEATS or (len(ops) < MAX_REPEATS and sum(ops) + sum(copies) < SECONDS_PER_CASE):
-        copies.append(_seconds(baseline, cuda))
-        ops.append(_seconds(fn, cuda))
-    return statistics.median(ops), statistics.median(copies)
+    samples: list[float] = []
+    while len(samples) < MIN_REPEATS or (len(samples) < MAX_REPEATS and sum(samples) < SECONDS_PER_CASE):
+        samples.append(_seconds(fn, cuda))
+    return statistics.median(samples)
+
+
+def _with_baseline(
+    fn: Callable[[], object], baseline: Callable[[], object], device: torch.device
+) -> tuple[float, float]:
+    """Steady-state seconds of fn, and of baseline averaged over runs just before and just after it.
+
+    On a shared machine memory bandwidth drifts by 2x within a minute; a memcpy measured around each
+    op keeps their ratio (eta) steady while both move. Calls are not interleaved one by one: each
+    would evict the other's data, and the op would be timed with cold caches, memcpy too.
+    """
+    before = _steady_median(baseline, device)
+    seconds = _steady_median(fn, device)
+    return seconds, (before + _steady_median(baseline, device)) / 2
 
 
 def _memcpy(size_bytes: int, device: torch.device) -> Callable[[], object]:
@@ -174,7 +179,7 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
         for dtype in DTYPES:
             x = torch.randn(size_bytes // torch.tensor([], dtype=dtype).element_size(), device=dev).to(dtype)
             for case in _cases(x):
-                seconds, copy_seconds = _paired_medians(case.run, memcpy, dev)
+                seconds, copy_seconds = _with_baseline(case.run, memcpy, dev)
                 rate, copy_rate = case.bytes_moved / seconds, 2 * size_bytes / copy_seconds
                 rows.append(
                     dict(

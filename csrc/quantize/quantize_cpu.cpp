@@ -143,20 +143,21 @@ struct Keys<c10::Half> : Keys16<c10::Half, 0x7C00> {};
 template <>
 struct Keys<c10::BFloat16> : Keys16<c10::BFloat16, 0x7F80> {};
 
-// min, max and finiteness of src[0, n) (n >= 1).
+// Order keys of the min and max of src[0, n) (n >= 1). Turning keys into floats and finiteness is
+// left to a loop over the block's groups, which vectorizes across groups.
 template <typename T>
-FASTCKPT_HD void group_range(const T* __restrict__ src, int64_t n, float& lo, float& hi, int32_t& finite) {
+FASTCKPT_HD void group_range(const T* __restrict__ src, int64_t n, typename Keys<T>::Key& lo_key,
+                             typename Keys<T>::Key& hi_key) {
   using K = Keys<T>;
-  typename K::Key lo_key = std::numeric_limits<typename K::Key>::max();
-  typename K::Key hi_key = std::numeric_limits<typename K::Key>::min();
+  typename K::Key lo = std::numeric_limits<typename K::Key>::max();
+  typename K::Key hi = std::numeric_limits<typename K::Key>::min();
   for (int64_t i = 0; i < n; ++i) {
     const auto k = K::of(src[i]);
-    lo_key = k < lo_key ? k : lo_key;
-    hi_key = k > hi_key ? k : hi_key;
+    lo = k < lo ? k : lo;
+    hi = k > hi ? k : hi;
   }
-  lo = K::value(lo_key);
-  hi = K::value(hi_key);
-  finite = lo_key > K::kNegInf && hi_key < K::kPosInf;
+  lo_key = lo;
+  hi_key = hi;
 }
 
 // One code per byte for src[0, n).
@@ -216,13 +217,19 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
   const int64_t block = block_groups(group_size);
   float lo[kMaxBlockGroups], hi[kMaxBlockGroups], offsets[kMaxBlockGroups], inv_scales[kMaxBlockGroups];
   int32_t finite[kMaxBlockGroups];  // int32, not bool: keeps the parameter loop in one vector width
+  typename Keys<T>::Key lo_keys[kMaxBlockGroups], hi_keys[kMaxBlockGroups];
   for (int64_t g0 = begin; g0 < end; g0 += block) {
     const int64_t groups = std::min(block, end - g0);
     const int64_t first = g0 * group_size;
     const int64_t count = std::min(groups * group_size, numel - first);
     const T* src = x + first;
     for (int64_t b = 0; b < groups; ++b) {
-      group_range(src + b * group_size, std::min(group_size, count - b * group_size), lo[b], hi[b], finite[b]);
+      group_range(src + b * group_size, std::min(group_size, count - b * group_size), lo_keys[b], hi_keys[b]);
+    }
+    for (int64_t b = 0; b < groups; ++b) {
+      lo[b] = Keys<T>::value(lo_keys[b]);
+      hi[b] = Keys<T>::value(hi_keys[b]);
+      finite[b] = lo_keys[b] > Keys<T>::kNegInf && hi_keys[b] < Keys<T>::kPosInf;
     }
     for (int64_t b = 0; b < groups; ++b) {
       const GroupParams p = Codec::make(lo[b], hi[b], finite[b] != 0, kBf16Params);
