@@ -76,6 +76,7 @@ class _Frame:
         self.on_unpack_error: UnpackErrorCallback | None = on_unpack_error
         self.input_tree: FlatTree | None = None
         self.input_saver: Any = None
+        self.input_saver_output: torch.Tensor | None = None
         self.weak_holders: list[weakref.ref[_Holder]] = []
         self.forward_metadata: list[Any] = []
         self.recomputed: defaultdict[Any, weakref.WeakKeyDictionary] = defaultdict(weakref.WeakKeyDictionary)
@@ -87,7 +88,10 @@ class _Frame:
     def save_inputs(self, inputs: FlatTree) -> None:
         self.input_tree = inputs
         anchor = torch.empty(0, requires_grad=True)
-        self.input_saver = _SaveInputs.apply(anchor, *self.input_tree.tensors).grad_fn
+        # Keep the node's (empty) output: some torch releases (2.11) free a custom Function's saved
+        # tensors as soon as all its outputs are gone.
+        self.input_saver_output = _SaveInputs.apply(anchor, *self.input_tree.tensors)
+        self.input_saver = self.input_saver_output.grad_fn
         self.input_tree.tensors = []  # the saver node's SavedVariables own them from here on
 
     def inputs(self) -> tuple[tuple, dict]:
