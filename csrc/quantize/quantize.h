@@ -173,7 +173,8 @@ constexpr uint32_t kParamNaN = 0x7FC0u;  // a quiet NaN in bf16 and in fp16 alik
 FASTCKPT_HD bool is_finite_float(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
 
 // ---------------------------------------------------------------- fp8 e4m3 (finite, no Inf)
-// |y| <= 448 assumed by the codec; larger finite values saturate to 448, NaN gives NaN (0x7F).
+// For finite |y| <= 448, which the group scale guarantees (a non-finite group's codes are replaced
+// by 0): no saturation or NaN selects, they cost ~15% of the fp8 encode loop.
 FASTCKPT_HD uint32_t float_to_e4m3_bits(float y) {
   const uint32_t u = float_bits(y);
   const uint32_t sign = (u >> 24) & 0x80u;
@@ -182,10 +183,7 @@ FASTCKPT_HD uint32_t float_to_e4m3_bits(float y) {
   const uint32_t normal = ((a + 0x7FFFFu + ((a >> 20) & 1u)) >> 20) - (120u << 3);
   // Below 2^-6: adding 2^14 (ulp 2^-9, the e4m3 subnormal step) rounds |y| to that step.
   const uint32_t subnormal = float_bits(add_rn(float_from_bits(a), 16384.0f)) - 0x46800000u;
-  uint32_t mag = a < 0x3C800000u ? subnormal : normal;
-  mag = a > 0x43E00000u ? 0x7Eu : mag;
-  mag = a > 0x7F800000u ? 0x7Fu : mag;
-  return sign | mag;
+  return sign | (a < 0x3C800000u ? subnormal : normal);
 }
 
 FASTCKPT_HD float e4m3_bits_to_float(uint32_t b) {
