@@ -112,10 +112,15 @@ FASTCKPT_HD uint32_t float_to_half_bits(float f) {
 
 FASTCKPT_HD float bf16_bits_to_float(uint32_t b) { return float_from_bits(b << 16); }
 
+// Round to nearest even for every non-NaN float (Inf and overflow to Inf included).
+FASTCKPT_HD uint32_t non_nan_to_bf16_bits(float f) {
+  const uint32_t u = float_bits(f);
+  return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
 FASTCKPT_HD uint32_t float_to_bf16_bits(float f) {
   const uint32_t u = float_bits(f);
-  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-  return (u & 0x7FFFFFFFu) > 0x7F800000u ? ((u >> 16) | 0x40u) : rounded;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? ((u >> 16) | 0x40u) : non_nan_to_bf16_bits(f);
 }
 
 FASTCKPT_HD float to_float(float v) { return v; }

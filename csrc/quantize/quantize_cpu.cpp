@@ -302,7 +302,21 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
       const float s = scales[b], o = Codec::kHasOffset ? offsets[b] : 0.f;
       const uint8_t* __restrict__ q = unpacked + at;
       BlockValue<T>* __restrict__ y = decoded + at;
-      for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(Codec::decode(o, s, q[i]));
+      // A group with NaN parameters (codes 0) is filled with its one decoded value (the NaN bits the
+      // reference gives), so the loop below never rounds a NaN: bf16 rounding then needs no NaN
+      // select, which cost 30% of its time. Inf parameters only come from foreign input.
+      if (!is_finite_float(s) || !is_finite_float(o)) {
+        std::fill_n(y, n, from_float<BlockValue<T>>(Codec::decode(o, s, 0)));
+        continue;
+      }
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        for (int64_t i = 0; i < n; ++i) {
+          y[i] = c10::BFloat16(static_cast<uint16_t>(non_nan_to_bf16_bits(Codec::decode(o, s, q[i]))),
+                               c10::BFloat16::from_bits());
+        }
+      } else {
+        for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(Codec::decode(o, s, q[i]));
+      }
     }
     if constexpr (std::is_same_v<T, c10::Half>) float_to_half(values, out + first, count);
   }
