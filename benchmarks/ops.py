@@ -81,9 +81,12 @@ def _cases(x: torch.Tensor) -> list[Case]:
     )
     packed = pack_bits(x)
     cases.append(Case("pack_bits", dtype, lambda: pack_bits(x), _nbytes(x, packed)))
-    if x.dtype == torch.float32:  # unpack_bits writes bool whatever the mask was
-        mask = unpack_bits(packed, x.shape)
-        cases.append(Case("unpack_bits", "bool", lambda: unpack_bits(packed, x.shape), _nbytes(packed, mask)))
+    if x.dtype == torch.float32:
+        # bool masks (dropout's) of the row's size in bytes: unpack_bits always writes bool
+        mask = x.new_empty(x.numel() * x.element_size(), dtype=torch.bool).bernoulli_(0.5)
+        bits = pack_bits(mask)
+        cases.append(Case("pack_bits", "bool", lambda: pack_bits(mask), _nbytes(mask, bits)))
+        cases.append(Case("unpack_bits", "bool", lambda: unpack_bits(bits, mask.shape), _nbytes(bits, mask)))
     return cases
 
 

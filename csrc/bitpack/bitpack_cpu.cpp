@@ -2,16 +2,16 @@
 //
 // Eight 0/1 flag bytes become one packed byte with a multiply: for w = sum_i f_i << 8i (f_i in {0,1}),
 // w * 0x0102040810204080 gathers bit 8i of w into bit 56+i, so (w * magic) >> 56 is the packed byte.
-// Unpacking goes the other way through a 256-entry table of 8 flag bytes. Nonzero tests look at the
+// Unpacking spreads each byte over 8 lanes of a 64-bit word (spread_bits). Nonzero tests look at the
 // bits (sign masked off), so -0 counts as zero and NaN as set without any float conversion.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#include <array>
 #include <cstring>
 
 #include "bitpack/bitpack.h"
+#include "cpu_clones.h"
 
 namespace fastckpt {
 namespace {
@@ -44,10 +44,23 @@ struct Bits<bool> {
 };
 
 template <typename T>
-inline uint8_t pack_flags(const uint8_t* flags) {
+inline __attribute__((always_inline)) uint8_t pack_flags(const uint8_t* flags) {
   uint64_t w;
   std::memcpy(&w, flags, 8);
   return static_cast<uint8_t>(((w & 0x0101010101010101ull) * kGatherBits) >> 56);
+}
+
+// Words [begin, end) of 64 elements: flag bytes for a word (a vector compare), then 8 multiplies
+// (one vector multiply where AVX-512 has 64-bit lanes).
+template <typename T>
+FASTCKPT_CPU_CLONES void pack_words(const typename Bits<T>::type* __restrict__ src, uint8_t* __restrict__ dst,
+                                    int64_t begin, int64_t end) {
+  alignas(64) uint8_t flags[64];
+  for (int64_t w = begin; w < end; ++w) {
+    const auto* s = src + w * 64;
+    for (int i = 0; i < 64; ++i) flags[i] = (s[i] & Bits<T>::kMagnitude) != 0;
+    for (int b = 0; b < 8; ++b) dst[w * 8 + b] = pack_flags<T>(flags + 8 * b);
+  }
 }
 
 template <typename T>
@@ -55,14 +68,7 @@ void pack_bits_kernel(const T* src_t, uint8_t* dst, int64_t numel) {
   using U = typename Bits<T>::type;
   const U* src = reinterpret_cast<const U*>(src_t);
   const int64_t words = numel / 64;
-  at::parallel_for(0, words, kGrainWords, [&](int64_t begin, int64_t end) {
-    alignas(64) uint8_t flags[64];
-    for (int64_t w = begin; w < end; ++w) {
-      const U* s = src + w * 64;
-      for (int i = 0; i < 64; ++i) flags[i] = (s[i] & Bits<T>::kMagnitude) != 0;  // vectorizes
-      for (int b = 0; b < 8; ++b) dst[w * 8 + b] = pack_flags<T>(flags + 8 * b);
-    }
-  });
+  at::parallel_for(0, words, kGrainWords, [&](int64_t begin, int64_t end) { pack_words<T>(src, dst, begin, end); });
   for (int64_t i = words * 64; i < numel; i += 8) {  // the tail: whole bytes, the last one partial
     uint8_t flags[8] = {0};
     for (int64_t k = 0; k < 8 && i + k < numel; ++k) flags[k] = (src[i + k] & Bits<T>::kMagnitude) != 0;
@@ -86,17 +92,21 @@ at::Tensor pack_bits_cpu(const at::Tensor& mask) {
   return out;
 }
 
-// kSpread[byte] holds the 8 flag bytes (0 or 1) of `byte`, lowest bit first.
-constexpr std::array<uint64_t, 256> make_spread_table() {
-  std::array<uint64_t, 256> table{};
-  for (int byte = 0; byte < 256; ++byte) {
-    uint64_t w = 0;
-    for (int i = 0; i < 8; ++i) w |= static_cast<uint64_t>((byte >> i) & 1) << (8 * i);
-    table[byte] = w;
-  }
-  return table;
+// The 8 flag bytes (0 or 1) of `byte`, lowest bit first, in arithmetic that vectorizes (a table
+// lookup per byte does not): broadcast the byte to 8 lanes, keep bit i in lane i, then turn each
+// nonzero lane into 1 by adding 0x7F (no lane carries: lanes hold at most 0x80) and taking bit 7.
+inline __attribute__((always_inline)) uint64_t spread_bits(uint8_t byte) {
+  const uint64_t lanes = (byte * 0x0101010101010101ull) & 0x8040201008040201ull;
+  return ((lanes + 0x7F7F7F7F7F7F7F7Full) >> 7) & 0x0101010101010101ull;
 }
-constexpr auto kSpread = make_spread_table();
+
+FASTCKPT_CPU_CLONES void unpack_bytes(const uint8_t* __restrict__ src, uint8_t* __restrict__ dst, int64_t begin,
+                                      int64_t end) {
+  for (int64_t b = begin; b < end; ++b) {
+    const uint64_t w = spread_bits(src[b]);
+    std::memcpy(dst + b * 8, &w, 8);
+  }
+}
 
 at::Tensor unpack_bits_cpu(const at::Tensor& packed, at::IntArrayRef shape) {
   const int64_t numel = check_unpack_bits_input(packed, shape);
@@ -106,10 +116,10 @@ at::Tensor unpack_bits_cpu(const at::Tensor& packed, at::IntArrayRef shape) {
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.mutable_data_ptr<bool>());
   const int64_t full_bytes = numel / 8;
   at::parallel_for(0, full_bytes, kGrainWords * 8, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) std::memcpy(dst + b * 8, &kSpread[src[b]], 8);
+    unpack_bytes(src, dst, begin, end);
   });
   if (numel % 8) {
-    const uint64_t w = kSpread[src[full_bytes]];
+    const uint64_t w = spread_bits(src[full_bytes]);
     std::memcpy(dst + full_bytes * 8, &w, numel % 8);
   }
   return out;

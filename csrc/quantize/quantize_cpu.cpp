@@ -15,6 +15,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cpu_clones.h"
 #include "quantize/quantize.h"
 
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -30,13 +31,6 @@
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")
 #endif
 
-// The hot loops are built for baseline x86-64, AVX2 (x86-64-v3) and AVX-512 (x86-64-v4); the
-// dynamic loader picks the best one for the machine (GNU ifunc), the extension's flags stay portable.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define FASTCKPT_CPU_CLONES __attribute__((target_clones("default", "arch=x86-64-v3", "arch=x86-64-v4")))
-#else
-#define FASTCKPT_CPU_CLONES
-#endif
 
 namespace fastckpt {
 namespace {
