@@ -2,7 +2,7 @@
 
 Compulsory bytes are what an op must read plus what it must write (input, codes, scales, output).
 memcpy bandwidth is `dst.copy_(src)` on buffers of the same size, on the same device with the same
-thread count, counted as read + write, and measured just before and just after each op. Sizes are those of the
+thread count, counted as read + write, and timed in blocks of calls alternating with the op's. Sizes are those of the
 uncompressed tensor (quantize's input, dequantize's output).
 
     python -m benchmarks ops [--device cpu|cuda] [--out DIR] [--quick]
@@ -34,8 +34,9 @@ from fastckpt.ops import (
 SIZES_MB = (1, 8, 32, 64, 256)
 QUICK_SIZES_MB = (1, 8, 32)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-WARMUP = 4  # calls before timing: steady state takes ~4 on the CPU machine (allocator, caches)
-MIN_REPEATS, MAX_REPEATS, SECONDS_PER_CASE = 5, 50, 0.3
+WARMUP = 4  # untimed calls per block: steady state takes ~4 on the CPU machine (allocator, caches)
+TIMED_PER_BLOCK = 2
+MIN_SAMPLES, MAX_SAMPLES, SECONDS_PER_CASE = 6, 40, 0.3
 ETA_TARGET = {"cpu": (0.5, 8), "cuda": (0.8, 32)}  # (eta, from this size in MB): DESIGN.md §7
 COLUMNS = ("op", "dtype", "size_mb", "time_ms", "gb_s", "eta", "memcpy_gb_s", "device", "threads")
 
@@ -104,31 +105,30 @@ def _seconds(fn: Callable[[], object], cuda: bool) -> float:
     return time.perf_counter() - begin
 
 
-def _steady_median(fn: Callable[[], object], device: torch.device) -> float:
-    """Median seconds of fn's calls after warm-up (it takes a few calls to reach steady state)."""
-    cuda = device.type == "cuda"
+def _block(fn: Callable[[], object], cuda: bool) -> list[float]:
+    """TIMED_PER_BLOCK timed calls of fn after WARMUP untimed ones (steady state: allocator, caches)."""
     for _ in range(WARMUP):
         fn()
-    if cuda:
-        torch.cuda.synchronize(device)
-    samples: list[float] = []
-    while len(samples) < MIN_REPEATS or (len(samples) < MAX_REPEATS and sum(samples) < SECONDS_PER_CASE):
-        samples.append(_seconds(fn, cuda))
-    return statistics.median(samples)
+    return [_seconds(fn, cuda) for _ in range(TIMED_PER_BLOCK)]
 
 
 def _with_baseline(
     fn: Callable[[], object], baseline: Callable[[], object], device: torch.device
 ) -> tuple[float, float]:
-    """Steady-state seconds of fn, and of baseline averaged over runs just before and just after it.
+    """Median seconds of fn and of baseline, from blocks of calls that alternate between the two.
 
-    On a shared machine memory bandwidth drifts by 2x within a minute; a memcpy measured around each
-    op keeps their ratio (eta) steady while both move. Calls are not interleaved one by one: each
-    would evict the other's data, and the op would be timed with cold caches, memcpy too.
+    This shared machine's memory bandwidth switches between states (47 and 85 GB/s at 256 MB) every
+    few seconds; alternating blocks of a few calls keeps both medians in the same states, so their
+    ratio (eta) holds still. Single calls are not alternated: each would evict the other's data and
+    time both with cold caches.
     """
-    before = _steady_median(baseline, device)
-    seconds = _steady_median(fn, device)
-    return seconds, (before + _steady_median(baseline, device)) / 2
+    cuda = device.type == "cuda"
+    ops: list[float] = []
+    copies: list[float] = []
+    while len(ops) < MIN_SAMPLES or (len(ops) < MAX_SAMPLES and sum(ops) + sum(copies) < SECONDS_PER_CASE):
+        copies += _block(baseline, cuda)
+        ops += _block(fn, cuda)
+    return statistics.median(ops), statistics.median(copies)
 
 
 def _memcpy(size_bytes: int, device: torch.device) -> Callable[[], object]:
