@@ -31,7 +31,6 @@
 #pragma GCC optimize("fp-contract=off", "no-trapping-math")
 #endif
 
-
 namespace fastckpt {
 namespace {
 
@@ -48,7 +47,7 @@ int64_t block_groups(int64_t group_size) {
 // ---------------------------------------------------------------- fp16 <-> fp32 for whole blocks
 // fp16 blocks are widened to fp32 before encoding and decoded through fp32. On x86 with F16C one
 // instruction converts 8 values; the portable bit arithmetic costs ~15 integer operations per value
-// and made fp16 the slowest input. Both round to nearest even and agree on every non-NaN value.
+// and made fp16 the slowest input. Both give the same bits (NaN payloads kept as x86 keeps them).
 FASTCKPT_CPU_CLONES void half_to_float_portable(const c10::Half* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = half_bits_to_float(src[i].x);
 }
@@ -67,9 +66,12 @@ __attribute__((target("avx,f16c"))) void half_to_float_f16c(const c10::Half* src
 __attribute__((target("avx,f16c"))) void float_to_half_f16c(const float* src, c10::Half* dst, int64_t n) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    const __m128i halves = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), halves);
   }
-  for (; i < n; ++i) dst[i] = c10::Half(static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT)), c10::Half::from_bits());
+  for (; i < n; ++i) {
+    dst[i] = c10::Half(static_cast<uint16_t>(_cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT)), c10::Half::from_bits());
+  }
 }
 #endif
 
@@ -250,7 +252,7 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
       } else {
         encode_group<BlockValue<T>, Codec, false>(encoded + at, unpacked + at, n, p, 0);
       }
-      // A non-finite group decodes to NaN through its parameters; its codes are 0 (fp8 encodes NaN as 0x7F).
+      // A non-finite group decodes to NaN through its parameters; its codes are 0.
       if (!finite[b]) std::fill_n(unpacked + at, n, uint8_t{0});
     }
     if constexpr (kPerByte > 1) {
