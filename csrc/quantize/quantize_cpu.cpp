@@ -39,6 +39,7 @@ using namespace quant;
 constexpr int64_t kGrainElems = 1 << 16;   // elements per parallel task
 constexpr int64_t kBlockElems = 1 << 13;   // elements per block (groups whose parameters are computed together)
 constexpr int64_t kMaxBlockGroups = 256;  // bounds the per-block parameter arrays on the stack
+constexpr int64_t kWidenElems = 1 << 10;  // fp16 elements widened to fp32 at a time (4 KB, L1-resident)
 
 int64_t block_groups(int64_t group_size) {
   return std::clamp<int64_t>(kBlockElems / group_size, 1, kMaxBlockGroups);
@@ -235,22 +236,27 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
       scale[g0 + b] = static_cast<uint16_t>(p.scale_bits);
       if constexpr (Codec::kHasOffset) offset[g0 + b] = static_cast<uint16_t>(p.offset_bits);
     }
-    const BlockValue<T>* encoded = nullptr;
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      half_to_float(src, values, count);
-      encoded = values;
-    } else {
-      encoded = src;
-    }
     uint8_t* dst = codes + first / kPerByte;  // groups start on whole bytes
     uint8_t* unpacked = kPerByte == 1 ? dst : scratch;
+    int64_t widened_from = 0;  // fp16: values holds the block's elements from here on, as fp32
     for (int64_t b = 0; b < groups; ++b) {
       const int64_t at = b * group_size, n = std::min(group_size, count - at);
       const GroupParams p{offsets[b], 0.f, inv_scales[b], 0u, 0u, finite[b] != 0};
-      if (stochastic) {
-        encode_group<BlockValue<T>, Codec, true>(encoded + at, unpacked + at, n, p, group_key(seed_key, g0 + b));
+      const BlockValue<T>* encoded = nullptr;
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        // widened a few groups at a time, so that they are still in L1 when encoded
+        if (b == 0 || at - widened_from + n > kWidenElems) {
+          widened_from = at;
+          half_to_float(src + at, values, std::min(std::max(kWidenElems, n), count - at));
+        }
+        encoded = values + (at - widened_from);
       } else {
-        encode_group<BlockValue<T>, Codec, false>(encoded + at, unpacked + at, n, p, 0);
+        encoded = src + at;
+      }
+      if (stochastic) {
+        encode_group<BlockValue<T>, Codec, true>(encoded, unpacked + at, n, p, group_key(seed_key, g0 + b));
+      } else {
+        encode_group<BlockValue<T>, Codec, false>(encoded, unpacked + at, n, p, 0);
       }
       // A non-finite group decodes to NaN through its parameters; its codes are 0.
       if (!finite[b]) std::fill_n(unpacked + at, n, uint8_t{0});
