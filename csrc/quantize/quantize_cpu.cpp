@@ -39,7 +39,7 @@ using namespace quant;
 constexpr int64_t kGrainElems = 1 << 16;   // elements per parallel task
 constexpr int64_t kBlockElems = 1 << 13;   // elements per block (groups whose parameters are computed together)
 constexpr int64_t kMaxBlockGroups = 256;  // bounds the per-block parameter arrays on the stack
-constexpr int64_t kWidenElems = 1 << 10;  // fp16 elements widened to fp32 at a time (4 KB, L1-resident)
+constexpr int64_t kWidenElems = 1 << 10;  // fp16 elements converted to/from fp32 at a time (4 KB, L1-resident)
 
 int64_t block_groups(int64_t group_size) {
   return std::clamp<int64_t>(kBlockElems / group_size, 1, kMaxBlockGroups);
@@ -293,17 +293,22 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
       unpack_codes<Codec::kBits>(unpacked, scratch, (count + kPerByte - 1) / kPerByte);
       unpacked = scratch;
     }
-    BlockValue<T>* decoded = nullptr;
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      decoded = values;
-    } else {
-      decoded = out + first;
-    }
+    int64_t narrowed_to = 0;  // fp16: values holds decoded elements from here on, as fp32
     for (int64_t b = 0; b < groups; ++b) {
       const int64_t at = b * group_size, n = std::min(group_size, count - at);
       const float s = scales[b], o = Codec::kHasOffset ? offsets[b] : 0.f;
       const uint8_t* __restrict__ q = unpacked + at;
-      BlockValue<T>* __restrict__ y = decoded + at;
+      BlockValue<T>* y = nullptr;
+      if constexpr (std::is_same_v<T, c10::Half>) {
+        // narrowed a few groups at a time, while they are still in L1
+        if (at > narrowed_to && at + n - narrowed_to > kWidenElems) {
+          float_to_half(values, out + first + narrowed_to, at - narrowed_to);
+          narrowed_to = at;
+        }
+        y = values + (at - narrowed_to);
+      } else {
+        y = out + first + at;
+      }
       // A group with NaN parameters (codes 0) is filled with its one decoded value (the NaN bits the
       // reference gives), so the loop below never rounds a NaN: bf16 rounding then needs no NaN
       // select, which cost 30% of its time. Inf parameters only come from foreign input.
@@ -320,7 +325,7 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
         for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(Codec::decode(o, s, q[i]));
       }
     }
-    if constexpr (std::is_same_v<T, c10::Half>) float_to_half(values, out + first, count);
+    if constexpr (std::is_same_v<T, c10::Half>) float_to_half(values, out + first + narrowed_to, count - narrowed_to);
   }
 }
 
