@@ -2,8 +2,8 @@
 
 Compulsory bytes are what an op must read plus what it must write (input, codes, scales, output).
 memcpy bandwidth is `dst.copy_(src)` on buffers of the same size, on the same device with the same
-thread count, counted as read + write, and timed in blocks of calls alternating with the op's. Sizes are those of the
-uncompressed tensor (quantize's input, dequantize's output).
+thread count, counted as read + write, and timed in blocks of calls alternating with the op's.
+Sizes are those of the uncompressed tensor (quantize's input, dequantize's output).
 
     python -m benchmarks ops [--device cpu|cuda] [--out DIR] [--quick]
 """

@@ -36,12 +36,13 @@ torch.save(out, sys.argv[2])
 
 
 def fp16_inputs() -> torch.Tensor:
-    """Subnormals, NaN/Inf groups, extremes and a tail that is not a whole group or 8-element vector."""
+    """Subnormals, NaN/Inf groups, extremes, more than the 1K elements converted at a time, and a tail
+    that is not a whole group or 8-element vector."""
     tiny = torch.tensor([6e-8, -6e-8, 3e-5, -1e-5, 0.0, -0.0]).repeat(GROUP_SIZE)[:GROUP_SIZE]
     with_nan, with_inf = sample((2, GROUP_SIZE), torch.float32, "cpu", seed=3)
     with_nan[5], with_inf[7] = float("nan"), float("-inf")
     rows = [hard_groups(torch.float16, GROUP_SIZE).reshape(-1), tiny, with_nan, with_inf]
-    return torch.cat([r.half() for r in rows] + [sample((9 * GROUP_SIZE + 13,), torch.float16, "cpu")])
+    return torch.cat([r.half() for r in rows] + [sample((40 * GROUP_SIZE + 13,), torch.float16, "cpu")])
 
 
 @pytest.mark.parametrize("disable_f16c", [True, False])
