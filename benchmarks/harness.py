@@ -71,3 +71,15 @@ def write_csv(rows: list[dict], folder: str, name: str) -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {path}")
+
+
+def error_line(err: Exception) -> str:
+    """An exception as one line, for a table row."""
+    return f"{type(err).__name__}: {err}".splitlines()[0]
+
+
+def report_failures(failed: dict[str, str], width: int) -> str | None:
+    """Print a FAILED row per failed configuration; the message to exit with when any failed."""
+    for name, error in failed.items():
+        print(f"{name:<{width}}FAILED: {error}")
+    return f"{len(failed)} configuration(s) failed; the others are reported above" if failed else None

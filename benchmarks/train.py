@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fastckpt
-from benchmarks.harness import write_csv
+from benchmarks.harness import error_line, report_failures, write_csv
 from benchmarks.workloads import GPT2Block
 
 CORPUS_FILES = ["argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
@@ -88,7 +88,14 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
     steps = 60 if quick else 300
     seq = 128 if dev.type == "cuda" else 64
     val = batches(text[split:], 8, 16, seq, seed=2)
-    rows = [train(policy, text[:split], val, steps, dev) for policy in POLICIES]
+    rows, failed = [], {}
+    for policy in POLICIES:
+        try:
+            rows.append(train(policy, text[:split], val, steps, dev))
+        except Exception as err:  # reported below; plain training failing stops the benchmark
+            if not rows:
+                raise
+            failed[str(policy)] = error_line(err)
     plain = rows[0]
     print(f"char-level GPT on {len(text) / 1e6:.2f} MB of Python stdlib source, {steps} AdamW steps, device {device}")
     print(f"{'policy':<12}{'train loss':>12}{'vs plain':>10}{'val loss':>10}{'vs plain':>10}{'seconds':>9}")
@@ -99,6 +106,9 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
             f"{r['policy']:<12}{r['final_train_loss']:>12.4f}{r['train_vs_plain']:>+10.2%}"
             f"{r['val_loss']:>10.4f}{r['val_vs_plain']:>+10.2%}{r['seconds']:>9.1f}"
         )
+    failure = report_failures(failed, 12)
     if out:
         write_csv(rows, out, f"train_{dev.type}.csv")
+    if failure:
+        raise SystemExit(failure)
     return rows
