@@ -15,7 +15,7 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import fastckpt
-from benchmarks.harness import error_line, median_times, peak_bytes, report_failures, write_csv
+from benchmarks.harness import error_line, finish, median_times, peak_bytes
 from benchmarks.workloads import DEFAULT_SHAPES, StackShape, gpt2_input, gpt2_stack
 
 
@@ -148,9 +148,4 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
             f"{r['config']:<30}{r['median_ms']:>9.1f}{r['x_plain']:>9.3f}{r['x_stock']:>9.3f}"
             f"{r['peak_MiB']:>10.1f}{r['peak_x_stock']:>13.3f}{r['bits_per_element']:>11.2f}{r['grad_rel_l2']:>12.2e}"
         )
-    failure = report_failures(failed, 30)
-    if out:
-        write_csv(rows, out, f"checkpoint_{dev.type}.csv")
-    if failure:
-        raise SystemExit(failure)
-    return rows
+    return finish(rows, failed, 30, out, f"checkpoint_{dev.type}.csv")

@@ -78,8 +78,13 @@ def error_line(err: Exception) -> str:
     return f"{type(err).__name__}: {err}".splitlines()[0]
 
 
-def report_failures(failed: dict[str, str], width: int) -> str | None:
-    """Print a FAILED row per failed configuration; the message to exit with when any failed."""
-    for name, error in failed.items():
-        print(f"{name:<{width}}FAILED: {error}")
-    return f"{len(failed)} configuration(s) failed; the others are reported above" if failed else None
+def finish(rows: list[dict], failed: dict[str, str], width: int, out: str | None, name: str) -> list[dict]:
+    """Print a FAILED row per failed configuration (name column `width` wide), write the measured rows
+    to out/name when out is given, then exit with status 1 if anything failed; else return the rows."""
+    for config, error in failed.items():
+        print(f"{config:<{width}}FAILED: {error}")
+    if out:
+        write_csv(rows, out, name)
+    if failed:
+        raise SystemExit(f"{len(failed)} configuration(s) failed; the others are reported above")
+    return rows

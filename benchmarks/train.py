@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import fastckpt
-from benchmarks.harness import error_line, report_failures, write_csv
+from benchmarks.harness import error_line, finish
 from benchmarks.workloads import GPT2Block
 
 CORPUS_FILES = ["argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
@@ -106,9 +106,4 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
             f"{r['policy']:<12}{r['final_train_loss']:>12.4f}{r['train_vs_plain']:>+10.2%}"
             f"{r['val_loss']:>10.4f}{r['val_vs_plain']:>+10.2%}{r['seconds']:>9.1f}"
         )
-    failure = report_failures(failed, 12)
-    if out:
-        write_csv(rows, out, f"train_{dev.type}.csv")
-    if failure:
-        raise SystemExit(failure)
-    return rows
+    return finish(rows, failed, 12, out, f"train_{dev.type}.csv")

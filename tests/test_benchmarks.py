@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from benchmarks.checkpoint import STOCK, Config, _runnable, configs
-from benchmarks.harness import error_line, report_failures
+from benchmarks.harness import error_line, finish
 from benchmarks.ops import _with_baseline
 from benchmarks.workloads import StackShape, gpt2_input, gpt2_stack
 
@@ -35,11 +35,13 @@ def test_failing_baseline_stops_the_benchmark():
         _runnable([Config("plain", _planted_failure, uses_fastckpt=False)], blocks, x)
 
 
-def test_failure_rows_and_exit_message(capsys):
-    assert report_failures({}, 10) is None
-    message = report_failures({"int4": error_line(ValueError("bad\nmore"))}, 10)
-    assert capsys.readouterr().out == "int4      FAILED: ValueError: bad\n"
-    assert message == "1 configuration(s) failed; the others are reported above"
+def test_failures_are_printed_rows_written_then_exit(capsys, tmp_path):
+    rows = [{"config": "plain", "ms": 1.0}]
+    assert finish(rows, {}, 10, str(tmp_path), "ok.csv") is rows
+    with pytest.raises(SystemExit, match="1 configuration\\(s\\) failed"):
+        finish(rows, {"int4": error_line(ValueError("bad\nmore"))}, 10, str(tmp_path), "partial.csv")
+    assert "int4      FAILED: ValueError: bad\n" in capsys.readouterr().out
+    assert (tmp_path / "partial.csv").read_text().splitlines() == ["config,ms", "plain,1.0"]
 
 
 def test_op_and_baseline_are_both_timed():
