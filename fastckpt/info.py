@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+from importlib import metadata
+
 import torch
 
 import fastckpt
 from fastckpt import _extension
 
 DISPATCH_KEYS = ("CPU", "CUDA")
+INTEGRATION_PACKAGES = ("transformers", "peft", "accelerate", "deepspeed")  # see fastckpt.integrations
+
+
+def integration_versions() -> dict[str, str | None]:
+    """Installed version of each package an integration works with (None: not installed); imports none."""
+    versions: dict[str, str | None] = {}
+    for package in INTEGRATION_PACKAGES:
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return versions
 
 
 def registered_ops() -> list[str]:
@@ -28,6 +42,8 @@ def report() -> str:
     lines = [
         f"fastckpt        {fastckpt.__version__}",
         f"torch           {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
+        "integrations    "
+        + ", ".join(f"{name} {version or 'not installed'}" for name, version in integration_versions().items()),
     ]
     error = _extension.load_error()
     if error:

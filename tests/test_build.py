@@ -47,6 +47,9 @@ def test_info_reports_versions_and_kernels():
     text = info.report()
     assert fastckpt.__version__ in text and torch.__version__ in text
     assert "fastckpt::pack_bits" in text
+    versions = info.integration_versions()
+    assert set(versions) == set(info.INTEGRATION_PACKAGES)
+    assert all(f"{name} {version or 'not installed'}" in text for name, version in versions.items())
 
 
 def test_mismatched_build_is_reported_with_rebuild_command(monkeypatch):
