@@ -20,6 +20,8 @@ class SegmentRecord:
     host_bytes: int = 0  # bytes offloaded to host memory
     pack_seconds: float = 0.0
     unpack_seconds: float = 0.0
+    forward_seconds: float = 0.0  # wall time of the checkpointed forward, when a caller profiles it
+    recompute_seconds: float = 0.0  # wall time of its recomputations in backward, likewise
     codecs: set[str] = field(default_factory=set)
 
     @property
@@ -66,12 +68,13 @@ class Report:
         """A text table, one line per segment."""
         lines = [
             f"{'seg':>4} {'policy':<22}{'tensors':>8}{'raw MiB':>10}{'device MiB':>12}{'host MiB':>10}"
-            f"{'pack ms':>9}{'unpack ms':>10}"
+            f"{'pack ms':>9}{'unpack ms':>10}{'fwd ms':>9}{'recomp ms':>10}"
         ]
         for index, s in enumerate(self.segments):
             lines.append(
                 f"{index:>4} {s.policy:<22}{s.tensors:>8}{s.raw_bytes / 2**20:>10.2f}{s.device_bytes / 2**20:>12.2f}"
                 f"{s.host_bytes / 2**20:>10.2f}{s.pack_seconds * 1e3:>9.2f}{s.unpack_seconds * 1e3:>10.2f}"
+                f"{s.forward_seconds * 1e3:>9.2f}{s.recompute_seconds * 1e3:>10.2f}"
             )
         return "\n".join(lines)
 
