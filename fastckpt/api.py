@@ -10,6 +10,7 @@ import torch
 from torch.utils.checkpoint import noop_context_fn
 
 from fastckpt.engine.non_reentrant import DETERMINISM_CHECKS, checkpoint_non_reentrant
+from fastckpt.engine.options import CheckpointOptions
 from fastckpt.engine.reentrant import checkpoint_reentrant
 from fastckpt.policy import Policy, resolve
 from fastckpt.storage.packer import SegmentStorage
@@ -24,6 +25,7 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     early_stop: bool = True,
+    respect_saved_tensors_hooks: bool | None = None,
     policy: str | Policy | None = None,
     **kwargs: Any,
 ) -> Any:
@@ -32,88 +34,75 @@ def checkpoint(
     use_reentrant=None means non-reentrant (no warning). Called without a function, returns a
     decorator: `checkpoint(use_reentrant=False, policy="int8")(fn)(*args)`.
     """
-    options = dict(
+    options = CheckpointOptions(
         use_reentrant=use_reentrant,
         preserve_rng_state=preserve_rng_state,
         context_fn=context_fn,
         determinism_check=determinism_check,
         debug=debug,
         early_stop=early_stop,
-        policy=policy,
+        respect_saved_tensors_hooks=respect_saved_tensors_hooks,
     )
     if function is None and not args:
         if kwargs:
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
-        return lambda fn: _Checkpointed(fn, options)
-    return _run(function, args, kwargs, **options)
+        return lambda fn: _Checkpointed(fn, options, policy)
+    return _run(function, args, kwargs, options, policy)
 
 
 class _Checkpointed:
     """The curried form: a callable (and method decorator) that checkpoints each call."""
 
-    def __init__(self, function: Callable[..., Any], options: dict[str, Any]) -> None:
+    def __init__(self, function: Callable[..., Any], options: CheckpointOptions, policy: str | Policy | None) -> None:
         self.function = function
         self.options = options
+        self.policy = policy
         functools.update_wrapper(self, function, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _run(self.function, args, kwargs, **self.options)
+        return _run(self.function, args, kwargs, self.options, self.policy)
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         bind = getattr(self.function, "__get__", None)
         if instance is None or bind is None:
             return self
-        return _Checkpointed(bind(instance, owner), self.options)
+        return _Checkpointed(bind(instance, owner), self.options, self.policy)
 
 
 # Under torch.compile the checkpointed call runs eagerly (a graph break): dynamo would otherwise trace
 # the forward but not the recompute, and the two would save different tensors.
 @torch.compiler.disable
 def _run(
-    function: Callable[..., Any],
-    args: tuple,
-    kwargs: dict,
-    *,
-    use_reentrant: bool | None,
-    preserve_rng_state: bool,
-    context_fn: Callable[[], tuple[Any, Any]],
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
-    policy: str | Policy | None,
+    function: Callable[..., Any], args: tuple, kwargs: dict, options: CheckpointOptions, policy: str | Policy | None
 ) -> Any:
     if not callable(function):
         raise TypeError(f"checkpoint: `function` must be callable (a module or function), got {type(function)}")
-    if determinism_check not in DETERMINISM_CHECKS:
+    if options.determinism_check not in DETERMINISM_CHECKS:
         raise ValueError(
-            f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, but got {determinism_check!r}"
+            f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, but got {options.determinism_check}"
         )
     resolved = resolve(policy)
     if not resolved.recompute:
-        if context_fn is not noop_context_fn or debug is not False:
+        if options.has_recompute_only_options:
             raise ValueError(
-                f"policy={str(resolved)!r} stores tensors instead of recomputing, so `context_fn` and `debug` (which "
-                "act on the recomputation) do not apply; drop them or use a policy with 'recompute'"
+                f"policy={str(resolved)!r} stores tensors instead of recomputing, so `context_fn`, `debug` and "
+                "`respect_saved_tensors_hooks` (which act on the recomputation) do not apply; drop them or use a "
+                "policy with 'recompute'"
             )
         return _run_stored(function, args, kwargs, resolved)
     input_hooks = _input_hooks(resolved)
-    if use_reentrant:
+    if options.use_reentrant:
         if kwargs:
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
-        if context_fn is not noop_context_fn or debug is not False:
-            raise ValueError("Passing `context_fn` or `debug` is only supported when use_reentrant=False.")
-        return checkpoint_reentrant(function, args, preserve_rng_state=preserve_rng_state, input_hooks=input_hooks)
-    return checkpoint_non_reentrant(
-        function,
-        args,
-        kwargs,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
-        determinism_check=determinism_check,
-        debug=debug,
-        early_stop=early_stop,
-        input_hooks=input_hooks,
-    )
+        if options.has_recompute_only_options:
+            raise ValueError(
+                "Passing `context_fn`, `debug`, or `respect_saved_tensors_hooks` is only supported when "
+                "use_reentrant=False."
+            )
+        return checkpoint_reentrant(
+            function, args, preserve_rng_state=options.preserve_rng_state, input_hooks=input_hooks
+        )
+    return checkpoint_non_reentrant(function, args, kwargs, options, input_hooks=input_hooks)
 
 
 def _input_hooks(policy: Policy) -> Callable[[], Any] | None:

@@ -69,7 +69,10 @@ def test_checkpoint_sequential_applies_storage_policies_to_every_segment(policy,
 
 def test_recompute_only_options_are_refused_for_storage_policies():
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(ValueError, match="`context_fn` and `debug`.*do not apply"):
+    refused = "`context_fn`, `debug` and `respect_saved_tensors_hooks`.*do not apply"
+    with pytest.raises(ValueError, match=refused):
         fastckpt.checkpoint(torch.sin, x, policy="int8", debug=True)
-    with pytest.raises(ValueError, match="`context_fn` and `debug`.*do not apply"):
+    with pytest.raises(ValueError, match=refused):
         fastckpt.checkpoint(torch.sin, x, policy="save", context_fn=lambda: (None, None))
+    with pytest.raises(ValueError, match=refused):
+        fastckpt.checkpoint(torch.sin, x, policy="int4", respect_saved_tensors_hooks=True)

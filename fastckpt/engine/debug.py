@@ -45,7 +45,9 @@ class OpTrace:
             return "\n".join(f"  {i + 1:>4}. {op}" for i, op in enumerate(ops)) or "  (none)"
 
         raise CheckpointError(
-            f"{error}\n\nfastckpt debug trace (debug=True). Operators in the original forward:\n"
+            "An error happened while unpacking tensors; dumping logs of latest computation\n"
+            "because you passed `debug=True` to `fastckpt.checkpoint()` (or enabled checkpoint debugging).\n"
+            f"{error}\n\nOperators in the original forward:\n"
             f"{numbered(self.forward_ops)}\n\nOperators in the recomputation:\n{numbered(self.recompute_ops)}\n"
             "The first line where the two lists differ is where forward and recompute diverged."
         ) from error

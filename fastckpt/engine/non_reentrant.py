@@ -21,6 +21,7 @@ from torch.utils.checkpoint import CheckpointError
 
 from fastckpt.engine.debug import OpTrace, UnpackErrorCallback
 from fastckpt.engine.flat_tree import FlatTree
+from fastckpt.engine.options import CheckpointOptions
 from fastckpt.engine.replay import ForwardState
 
 DETERMINISM_CHECKS: dict[str, Callable[[torch.Tensor], Any]] = {
@@ -102,9 +103,9 @@ class _Frame:
             return
         if len(self.weak_holders) != self.recompute_count[gid]:
             raise CheckpointError(
-                "fastckpt.checkpoint: a different number of tensors was saved during the original forward and the "
-                f"recomputation.\nNumber saved during forward: {len(self.weak_holders)}\n"
-                f"Number saved during recomputation: {self.recompute_count[gid]}\n{_DEBUG_TIP}"
+                "fastckpt.checkpoint: A different number of tensors was saved during the original forward and "
+                f"recomputation.\nNumber of tensors saved during forward: {len(self.weak_holders)}\n"
+                f"Number of tensors saved during recomputation: {self.recompute_count[gid]}.\n{_DEBUG_TIP}"
             )
         mismatches = []
         for index, weak_holder in enumerate(self.weak_holders):
@@ -114,20 +115,31 @@ class _Frame:
             recomputed = self.metadata_fn(self.recomputed[gid][holder.handles[gid]])
             if recomputed != self.forward_metadata[index]:
                 mismatches.append(
-                    f"tensor at position {index}:\n  saved metadata: {self.forward_metadata[index]}\n"
-                    f"  recomputed metadata: {recomputed}"
+                    f"tensor at position {index}:\nsaved metadata: {self.forward_metadata[index]}\n"
+                    f"recomputed metadata: {recomputed}\n"
                 )
         if mismatches:
             raise CheckpointError(
-                "fastckpt.checkpoint: recomputed values for the following tensors have different metadata than "
-                "during the forward pass (shape, dtype or device changed between forward and recompute):\n"
-                + "\n".join(mismatches)
-                + f"\n{_DEBUG_TIP}"
+                "fastckpt.checkpoint: Recomputed values for the following tensors have different metadata than "
+                f"during the forward pass.\n{''.join(mismatches)}.\n{_DEBUG_TIP}"
             )
 
 
+def _graph_exec_group() -> Any:
+    return torch._C._get_graph_exec_group() if hasattr(torch._C, "_get_graph_exec_group") else None
+
+
+def _overlap_hint() -> str:
+    if _graph_exec_group() is None:
+        return ""
+    return (
+        "Performing two backward calls that overlap (i.e. require the same saved activation in order to compute "
+        "gradients) is not allowed while under the torch.utils.checkpoint.GraphExecGroup context. "
+    )
+
+
 def _graph_task_id() -> Any:
-    group = torch._C._get_graph_exec_group() if hasattr(torch._C, "_get_graph_exec_group") else None
+    group = _graph_exec_group()
     if group is not None:
         return group
     gid = torch._C._current_graph_task_id()
@@ -181,8 +193,9 @@ def _forward_hooks(frame: _Frame) -> _InternalHooks:
         handle = holder.handles.get(gid)
         if handle is None:
             raise CheckpointError(
-                "fastckpt.checkpoint: unpack is being triggered for a tensor that was already unpacked once in this "
-                "backward. If you read ctx.saved_tensors in a custom backward, read it only once."
+                "fastckpt.checkpoint: Unpack is being triggered for a tensor that was already unpacked once. "
+                f"{_overlap_hint()}If you are calling ctx.saved_tensors in backward, make sure to do so only once. "
+                "Otherwise please open an issue with details on your use case."
             )
         holder.handles[gid] = None
         return frame.recomputed[gid].pop(handle)  # free on use
@@ -238,12 +251,7 @@ def checkpoint_non_reentrant(
     function: Callable[..., Any],
     args: tuple,
     kwargs: dict,
-    *,
-    preserve_rng_state: bool,
-    context_fn: Callable[[], tuple[Any, Any]],
-    determinism_check: str,
-    debug: bool,
-    early_stop: bool,
+    options: CheckpointOptions,
     input_hooks: Callable[[], Any] | None = None,
 ) -> Any:
     """Run `function` now, keep only its inputs, and recompute it in backward.
@@ -251,25 +259,29 @@ def checkpoint_non_reentrant(
     `input_hooks`, when given, returns a saved-tensor-hooks context through which the inputs are
     stored (a storage policy such as recompute+offload).
     """
-    on_unpack_error = None
-    if _resolve_debug(debug):
+    context_fn, on_unpack_error = options.context_fn, None
+    if _resolve_debug(options.debug):
         if context_fn is not torch_checkpoint.noop_context_fn:
             raise ValueError("debug=True is incompatible with non-default context_fn")
         trace = OpTrace()
         context_fn, on_unpack_error = trace.context_fn, trace.raise_with_trace
-    metadata_fn = DETERMINISM_CHECKS[determinism_check]
+    metadata_fn = DETERMINISM_CHECKS[options.determinism_check]
     forward_context, recompute_context = context_fn()
+    # Selective checkpointing's caching mode reads this to decide whether the tensors it caches go
+    # through the user's saved-tensor hooks (torch sets it the same way).
+    if hasattr(forward_context, "respect_saved_tensors_hooks"):
+        forward_context.respect_saved_tensors_hooks = options.respect_saved_tensors_hooks
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
 
     inputs = FlatTree((args, kwargs))
-    state = ForwardState.capture(inputs.tensors, preserve_rng_state)
+    state = ForwardState.capture(inputs.tensors, options.preserve_rng_state)
 
     def recompute_fn(*re_args: Any, **re_kwargs: Any) -> None:
         with state.replay(), recompute_context:
             function(*re_args, **re_kwargs)
 
-    frame = _Frame(recompute_fn, _resolve_early_stop(early_stop), metadata_fn, on_unpack_error)
+    frame = _Frame(recompute_fn, _resolve_early_stop(options.early_stop), metadata_fn, on_unpack_error)
     with input_hooks() if input_hooks is not None else contextlib.nullcontext():
         frame.save_inputs(inputs)
 
@@ -279,8 +291,9 @@ def checkpoint_non_reentrant(
         completed = True
     if not completed:
         raise RuntimeError(
-            "fastckpt.checkpoint: the forward context from context_fn suppressed an exception raised in the "
-            "checkpointed forward; checkpoint cannot return a value for a failed forward."
+            "fastckpt.checkpoint: the forward context provided by context_fn suppressed an exception raised during "
+            "the checkpointed forward. This is not supported because checkpoint cannot return a value for a failed "
+            "forward."
         )
     frame.forward_completed = True
     state.check_device_not_initialised_in_forward()
