@@ -195,7 +195,10 @@ def _strip_prefix(module: CheckpointWrapper, state_dict: dict, prefix: str, loca
 
 
 def _add_prefix(module: CheckpointWrapper, state_dict: dict, prefix: str, *args: Any) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + module._PREFIX)]:
+    # Every key under `prefix` is the wrapped module's (state_dict() strips the prefix from all of them), so
+    # every one gets it back, even one that already starts with it: the wrapped module may have a child
+    # named like the prefix.
+    for key in [k for k in state_dict if k.startswith(prefix)]:
         state_dict[prefix + module._PREFIX + key[len(prefix) :]] = state_dict.pop(key)
 
 
@@ -221,6 +224,8 @@ def apply(
 
     Matching submodules are not searched further. Returns `model`.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"apply: `model` must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(check_fn):
         raise TypeError(f"apply: `check_fn` must be callable (module -> bool), got {type(check_fn)}")
     if policy is not None:

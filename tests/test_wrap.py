@@ -71,3 +71,38 @@ def test_bad_arguments():
         fastckpt.apply(make_model(), policy="int9")
     with pytest.raises(TypeError, match="`check_fn` must be callable"):
         fastckpt.apply(make_model(), check_fn=3)
+
+
+class _HasCheckpointedChild(nn.Module):
+    """A module whose own child is named like the wrapper's attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpointed = nn.Linear(3, 3)
+        self.other = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.other(self.checkpointed(x))
+
+
+@pytest.mark.parametrize("strict", [True, False])
+def test_state_dict_keys_unambiguous_for_a_child_named_checkpointed(strict):
+    torch.manual_seed(0)
+    source = _HasCheckpointedChild()
+    wrapped = fastckpt.wrap(_HasCheckpointedChild())
+    assert wrapped.state_dict().keys() == source.state_dict().keys()
+    result = wrapped.load_state_dict(source.state_dict(), strict=strict)
+    assert not result.missing_keys and not result.unexpected_keys
+    for key, value in source.state_dict().items():
+        assert torch.equal(wrapped.state_dict()[key], value), key
+    # And the round trip through the wrapper itself, nested inside another wrapped module.
+    outer = fastckpt.wrap(nn.Sequential(fastckpt.wrap(_HasCheckpointedChild())))
+    reference = nn.Sequential(_HasCheckpointedChild())
+    assert outer.state_dict().keys() == reference.state_dict().keys()
+    outer.load_state_dict(reference.state_dict(), strict=strict)
+    assert all(torch.equal(outer.state_dict()[k], v) for k, v in reference.state_dict().items())
+
+
+def test_apply_rejects_a_non_module():
+    with pytest.raises(TypeError, match="apply: `model` must be a torch.nn.Module, got int"):
+        fastckpt.apply(5)
