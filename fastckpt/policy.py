@@ -11,6 +11,11 @@ import torch
 
 CODECS = ("int8", "fp8", "int4", "int2")
 TOKENS = ("recompute", "save", "offload", *CODECS)
+MAX_GROUP_SIZE = 2**31 - 1  # a group never spans more than the tensor; the kernels index groups with int32
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -21,8 +26,8 @@ class Policy:
         go through `codec`/`offload`. Without it, every tensor the segment saves for backward does.
     codec: one of CODECS, or None for exact storage.
     offload: keep stored tensors in host memory until backward.
-    group_size (None: the codec's default), stochastic_rounding, min_tensor_bytes, rule (tensor -> Policy or
-        None, a per-tensor override): tuning of the storage engine.
+    group_size (None: the codec's default), stochastic_rounding, min_tensor_bytes, rule (tensor -> Policy,
+        policy string or None, a per-tensor override): tuning of the storage engine.
     """
 
     recompute: bool = True
@@ -31,22 +36,43 @@ class Policy:
     group_size: int | None = None
     stochastic_rounding: bool = False
     min_tensor_bytes: int = 4096
-    rule: Callable[[torch.Tensor], Policy | None] | None = None
+    rule: Callable[[torch.Tensor], Policy | str | None] | None = None
 
     def __post_init__(self) -> None:
+        for name in ("recompute", "offload", "stochastic_rounding"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Policy: {name} must be True or False, got {getattr(self, name)!r}")
         if self.codec is not None and self.codec not in CODECS:
             raise ValueError(f"Policy: codec={self.codec!r} is not one of {list(CODECS)} (or None for exact storage)")
         if self.stochastic_rounding and self.codec not in ("int8", "int4", "int2"):
             raise ValueError(
                 f"Policy: stochastic_rounding applies to the int8/int4/int2 codecs, not to codec={self.codec!r}"
             )
-        if self.group_size is not None and self.group_size <= 0:
+        if self.group_size is not None and not (_is_int(self.group_size) and 1 <= self.group_size <= MAX_GROUP_SIZE):
             raise ValueError(
-                f"Policy: group_size must be a positive integer (or None for the codec's default), "
-                f"got {self.group_size}"
+                f"Policy: group_size must be an integer from 1 to {MAX_GROUP_SIZE} (or None for the codec's default), "
+                f"got {self.group_size!r}"
             )
-        if self.min_tensor_bytes < 0:
-            raise ValueError(f"Policy: min_tensor_bytes must be >= 0, got {self.min_tensor_bytes}")
+        if not (_is_int(self.min_tensor_bytes) and self.min_tensor_bytes >= 0):
+            raise ValueError(f"Policy: min_tensor_bytes must be an integer >= 0, got {self.min_tensor_bytes!r}")
+        if self.rule is not None and not callable(self.rule):
+            raise TypeError(
+                f"Policy: rule must be a callable (tensor -> Policy, policy string or None), got {type(self.rule)}"
+            )
+
+    def for_tensor(self, t: torch.Tensor) -> Policy:
+        """The policy for one saved tensor: `rule`'s answer when it gives one, else this policy."""
+        if self.rule is None:
+            return self
+        chosen = self.rule(t)
+        if chosen is None:
+            return self
+        if not isinstance(chosen, (str, Policy)):
+            raise TypeError(
+                f"Policy: rule returned {type(chosen).__name__} {chosen!r}; it must return a fastckpt.Policy, a policy "
+                "string such as 'int8', or None (keep the segment's policy)"
+            )
+        return Policy.parse(chosen)
 
     @classmethod
     def parse(cls, spec: str | Policy) -> Policy:

@@ -1,6 +1,7 @@
 """Policy strings, Policy objects and the default-policy context."""
 
 import pytest
+import torch
 
 import fastckpt
 from fastckpt.policy import CODECS, Policy, current_policy
@@ -63,3 +64,41 @@ def test_default_policy_context_nests_and_restores():
             assert current_policy().group_size == 128
         assert current_policy() == outer
     assert current_policy() == Policy.parse("recompute")
+
+
+@pytest.mark.parametrize(
+    "fields, error, message",
+    [
+        ({"group_size": 1.5}, ValueError, r"group_size must be an integer from 1 to \d+.*got 1.5"),
+        ({"group_size": "64"}, ValueError, r"group_size must be an integer.*got '64'"),
+        ({"group_size": True}, ValueError, "group_size must be an integer"),
+        ({"group_size": 2**40}, ValueError, "group_size must be an integer from 1 to"),
+        ({"min_tensor_bytes": 1.0}, ValueError, "min_tensor_bytes must be an integer >= 0"),
+        ({"recompute": "yes"}, TypeError, "recompute must be True or False"),
+        ({"offload": 1}, TypeError, "offload must be True or False"),
+        ({"rule": "int8"}, TypeError, "rule must be a callable"),
+    ],
+)
+def test_fields_are_checked_at_the_call(fields, error, message):
+    with pytest.raises(error, match=message):
+        Policy(**fields)
+
+
+def test_rule_may_return_a_policy_a_string_or_none():
+    big = torch.zeros(4096)
+    keeps = Policy(rule=lambda t: None)
+    assert keeps.for_tensor(big) is keeps
+    assert Policy(rule=lambda t: "int4").for_tensor(big) == Policy.parse("int4")
+    assert Policy(rule=lambda t: Policy.parse("int8")).for_tensor(big).codec == "int8"
+    with pytest.raises(TypeError, match="rule returned int 8; it must return a fastckpt.Policy, a policy string"):
+        Policy(rule=lambda t: 8).for_tensor(big)
+    with pytest.raises(ValueError, match="unknown token 'int3'"):
+        Policy(rule=lambda t: "int3").for_tensor(big)
+
+
+def test_rule_returning_a_string_stores_through_that_codec():
+    x = torch.randn(64, 256, requires_grad=True)
+    exact = Policy(recompute=False, rule=lambda t: "int8" if t.dim() == 2 else None)
+    with fastckpt.track() as report:
+        fastckpt.checkpoint(lambda t: t.tanh().exp(), x, policy=exact).sum().backward()
+    assert report.segments[0].codecs == {"int8"}

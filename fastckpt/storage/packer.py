@@ -79,8 +79,7 @@ class SegmentStorage:
         start = time.perf_counter()
         record = self.record
         record.tensors += 1
-        policy = self.policy.rule(t) if self.policy.rule is not None else None
-        policy = policy or self.policy
+        policy = self.policy.for_tensor(t)
         if keep_plain_reason(t, policy) is not None:
             return t.detach()  # t itself would tie an output to its own grad_fn: a reference cycle
         # The same storage, view and version saved twice (e.g. by two ops) is stored once. The address
