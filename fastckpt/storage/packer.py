@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Any
 
 import torch
 
@@ -49,14 +48,30 @@ def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
 
 
 class _Stored:
-    """One tensor as the policy keeps it: its tensors (plain, or a codec's payload), maybe on host."""
+    """One tensor as the policy keeps it: its tensors (plain, or a codec's payload), maybe on host.
 
-    __slots__ = ("encoded", "tensors", "on_host", "__weakref__")
+    `version` is the saved tensor's version counter at pack when `tensors` alias it (kept or stored
+    plainly): an in-place change before backward is then caught at unpack, as autograd does.
+    """
 
-    def __init__(self, encoded: codecs.Encoded | None, tensors: tuple, on_host: bool) -> None:
+    __slots__ = ("encoded", "tensors", "on_host", "version", "__weakref__")
+
+    def __init__(self, encoded: codecs.Encoded | None, tensors: tuple, on_host: bool, version: int | None) -> None:
         self.encoded = encoded
         self.tensors = tensors
         self.on_host = on_host
+        self.version = version
+
+    def check_version(self, policy: str) -> None:
+        if self.version is None or self.tensors[0]._version == self.version:
+            return
+        t = self.tensors[0]
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an inplace operation: "
+            f"[{t.type()} [{', '.join(map(str, t.shape))}]] is at version {t._version}; expected version "
+            f"{self.version} instead. Hint: fastckpt (policy {policy!r}) kept this tensor for backward; do not "
+            "modify it in place before backward, or clone it first."
+        )
 
 
 class SegmentStorage:
@@ -75,13 +90,15 @@ class SegmentStorage:
         """The saved-tensor-hooks context that routes the segment's saved tensors through this storage."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
-    def pack(self, t: torch.Tensor) -> Any:
+    def pack(self, t: torch.Tensor) -> _Stored:
         start = time.perf_counter()
         record = self.record
         record.tensors += 1
         policy = self.policy.for_tensor(t)
         if keep_plain_reason(t, policy) is not None:
-            return t.detach()  # t itself would tie an output to its own grad_fn: a reference cycle
+            # Detached: t itself would tie an output to its own grad_fn (a reference cycle); the
+            # detached tensor shares t's version counter.
+            return _Stored(None, (t.detach(),), on_host=False, version=t._version)
         # The same storage, view and version saved twice (e.g. by two ops) is stored once. The address
         # only identifies the storage while the first tensor saved from it is alive: after that, the
         # allocator may have handed the same address to a new tensor.
@@ -106,13 +123,12 @@ class SegmentStorage:
             self.record.codecs.add(codec)
         if policy.offload and t.device.type != "cpu":
             self.record.host_bytes += nbytes
-            return _Stored(encoded, tuple(offload.to_host(x) for x in tensors), on_host=True)
+            return _Stored(encoded, tuple(offload.to_host(x) for x in tensors), on_host=True, version=None)
         self.record.device_bytes += nbytes
-        return _Stored(encoded, tensors, on_host=False)
+        return _Stored(encoded, tensors, on_host=False, version=None if encoded else t._version)
 
-    def unpack(self, stored: Any) -> torch.Tensor:
-        if not isinstance(stored, _Stored):
-            return stored
+    def unpack(self, stored: _Stored) -> torch.Tensor:
+        stored.check_version(self.record.policy)
         start = time.perf_counter()
         report = current_report()
         if report is not None:
