@@ -79,7 +79,6 @@ else:
 
 setup(
     name="fastckpt",
-    version="0.1.0",
     packages=find_packages(include=["fastckpt", "fastckpt.*"]),
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

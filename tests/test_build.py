@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,35 @@ def test_package_imports_without_the_compiled_library():
         "    raise AssertionError('reentrant mode ran without fastckpt._C')\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_one_version_source():
+    built = subprocess.run(
+        [sys.executable, "setup.py", "--version"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()[-1]
+    assert built == fastckpt.__version__
+    assert fastckpt.__version__ not in (ROOT / "pyproject.toml").read_text()
+    assert fastckpt.__version__ not in (ROOT / "setup.py").read_text()
+
+
+def test_unknown_pytest_markers_are_errors(tmp_path):
+    (tmp_path / "test_typo.py").write_text("import pytest\n\n@pytest.mark.cdua\ndef test_x():\n    pass\n")
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-c",
+            str(ROOT / "pyproject.toml"),
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0 and "'cdua' not found in `markers`" in result.stdout + result.stderr
