@@ -23,6 +23,8 @@ class SegmentRecord:
     forward_seconds: float = 0.0  # wall time of the checkpointed forward, when a caller profiles it
     recompute_seconds: float = 0.0  # wall time of its recomputations in backward, likewise
     codecs: set[str] = field(default_factory=set)
+    # Tensors kept as autograd would keep them, counted by reason ("small", "parameter", "float64", ...).
+    kept_plain: dict[str, int] = field(default_factory=dict)
 
     @property
     def stored_bytes(self) -> int:
@@ -68,13 +70,14 @@ class Report:
         """A text table, one line per segment."""
         lines = [
             f"{'seg':>4} {'policy':<22}{'tensors':>8}{'raw MiB':>10}{'device MiB':>12}{'host MiB':>10}"
-            f"{'pack ms':>9}{'unpack ms':>10}{'fwd ms':>9}{'recomp ms':>10}"
+            f"{'pack ms':>9}{'unpack ms':>10}{'fwd ms':>9}{'recomp ms':>10}  kept plain"
         ]
         for index, s in enumerate(self.segments):
             lines.append(
                 f"{index:>4} {s.policy:<22}{s.tensors:>8}{s.raw_bytes / 2**20:>10.2f}{s.device_bytes / 2**20:>12.2f}"
                 f"{s.host_bytes / 2**20:>10.2f}{s.pack_seconds * 1e3:>9.2f}{s.unpack_seconds * 1e3:>10.2f}"
-                f"{s.forward_seconds * 1e3:>9.2f}{s.recompute_seconds * 1e3:>10.2f}"
+                f"{s.forward_seconds * 1e3:>9.2f}{s.recompute_seconds * 1e3:>10.2f}  "
+                + " ".join(f"{reason}:{count}" for reason, count in sorted(s.kept_plain.items()))
             )
         return "\n".join(lines)
 

@@ -39,7 +39,7 @@ def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
         return "not a dense tensor"
     masks_allowed = policy.codec is not None and t.dtype == torch.bool  # dropout masks: 1 bit each, exact
     if t.dtype not in _STORABLE_DTYPES and not masks_allowed:
-        return f"dtype {t.dtype}"
+        return str(t.dtype).removeprefix("torch.")
     if _is_parameter_like(t):
         return "parameter"
     if _nbytes(t) < policy.min_tensor_bytes:
@@ -95,7 +95,9 @@ class SegmentStorage:
         record = self.record
         record.tensors += 1
         policy = self.policy.for_tensor(t)
-        if keep_plain_reason(t, policy) is not None:
+        reason = keep_plain_reason(t, policy)
+        if reason is not None:
+            record.kept_plain[reason] = record.kept_plain.get(reason, 0) + 1
             # Detached: t itself would tie an output to its own grad_fn (a reference cycle); the
             # detached tensor shares t's version counter.
             return _Stored(None, (t.detach(),), on_host=False, version=t._version)

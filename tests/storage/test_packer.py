@@ -70,10 +70,10 @@ def test_recompute_offload_stores_only_the_inputs():
         (torch.nn.Parameter(torch.randn(64, 64)), "parameter"),
         (torch.nn.Parameter(torch.randn(64, 64)).t(), "parameter"),
         (torch.randn(3), "small"),
-        (torch.randint(0, 5, (4096,)), "dtype torch.int64"),
-        (torch.randn(4096) > 0, "dtype torch.bool"),
+        (torch.randint(0, 5, (4096,)), "int64"),
+        (torch.randn(4096) > 0, "bool"),
         (torch.randn(64, 64).to_sparse(), "not a dense tensor"),
-        (torch.randn(64, 64, dtype=torch.complex64), "dtype torch.complex64"),
+        (torch.randn(64, 64, dtype=torch.complex64), "complex64"),
     ],
 )
 def test_kept_plain(tensor, reason):
@@ -195,3 +195,18 @@ def test_a_tensor_stored_through_a_codec_is_a_copy_and_may_change():
     y.mul_(1.0)  # a version bump with the same values, to check only that no error is raised
     y.sum().backward()
     assert torch.allclose(h.grad, expected, atol=0.05)
+
+
+def test_float64_under_a_codec_is_kept_exact_and_reported():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()).double()
+    x = torch.randn(32, 64, dtype=torch.float64, requires_grad=True)
+    with fastckpt.track() as report:
+        out = fastckpt.checkpoint(model, x, policy="int8")
+    expected_grad = torch.autograd.grad(model(x).sum(), x)[0]
+    out.sum().backward()
+    (segment,) = report.segments
+    assert set(segment.kept_plain) == {"float64"}  # the dtype is the first reason, parameters included
+    assert segment.kept_plain["float64"] >= 3  # input, weight, tanh output at least
+    assert segment.raw_bytes == 0 and not segment.codecs  # nothing went through the codec
+    assert "float64:" in report.table()
+    assert torch.equal(x.grad, expected_grad)  # exact
