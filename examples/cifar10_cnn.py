@@ -10,6 +10,8 @@ the profiler's allocation records. CIFAR-10 is read from --data when torchvision
     python examples/cifar10_cnn.py --mode plain --mode fastckpt:int4+offload --device cuda --data ~/data
 
 Modes: plain, torch (torch.utils.checkpoint, non-reentrant), fastckpt:POLICY for any fastckpt policy.
+Measured on the CPU: checkpointing cuts what a step keeps after forward ~10x (26.2 -> 2.7 MB), but the peak
+comes in the first block's backward (its activations, their gradients, the weight gradients): only -5%.
 """
 
 import argparse
