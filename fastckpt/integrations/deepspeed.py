@@ -310,6 +310,7 @@ class _Segment:
         self.tracker_states = self.tracker.get_states() if self.tracker is not None else None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The first call is the forward; later ones are recomputes."""
         if not self.forward_done:
             return self.function(*args, **kwargs)
         return self.recompute(*args, **kwargs)
@@ -370,6 +371,7 @@ class _Partition:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
+        """Keep this rank's slice of `t` (through the policy's storage, if any); other tensors as the storage does."""
         if not self._partitioned(t):
             if self.storage is not None:
                 return self.storage.pack(t)  # which counts the tensor in the record itself
@@ -410,6 +412,7 @@ class _Partition:
         record.raw_elements += t.numel() - shard.numel()
 
     def unpack(self, packed: Any) -> torch.Tensor:
+        """The whole tensor again: every rank's slice, all-gathered over the model-parallel group."""
         if not isinstance(packed, _Shard):
             return self.storage.unpack(packed) if self.storage is not None else packed
         shard = self.storage.unpack(packed.packed) if self.storage is not None else packed.packed
