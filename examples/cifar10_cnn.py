@@ -32,7 +32,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)  # fastckpt and benchmarks from this checkout
 import fastckpt  # noqa: E402
 from benchmarks.harness import peak_bytes  # noqa: E402
-from fastckpt.policy import TOKENS  # noqa: E402
+from fastckpt.policies import TOKENS  # noqa: E402
 
 MB = 2**20
 WRITEUP_MAX_ALLOCATED_MB = {"plain": 69.58, "checkpointed": 40.80}  # the write-up's GPU figures, not ours

@@ -2,7 +2,7 @@
 
 from fastckpt import _extension  # noqa: F401  (loads fastckpt._C and registers its ops)
 from fastckpt.api import CheckpointWrapper, apply, checkpoint, checkpoint_sequential, wrap
-from fastckpt.policy import Policy, current_policy, policy
+from fastckpt.policies import Policy, current_policy, policy
 from fastckpt.storage.accounting import track
 
 __version__ = "0.1.0"

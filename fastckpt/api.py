@@ -12,7 +12,7 @@ from torch.utils.checkpoint import noop_context_fn
 from fastckpt.engine.non_reentrant import DETERMINISM_CHECKS, checkpoint_non_reentrant
 from fastckpt.engine.options import CheckpointOptions
 from fastckpt.engine.reentrant import checkpoint_reentrant
-from fastckpt.policy import Policy, resolve
+from fastckpt.policies import Policy, resolve
 from fastckpt.storage.packer import SegmentStorage
 
 

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
-from fastckpt.policy import RECOMPUTE, Policy, resolve
+from fastckpt.policies import RECOMPUTE, Policy, resolve
 from fastckpt.storage.accounting import SegmentRecord, current_report
 from fastckpt.storage.packer import SegmentStorage
 

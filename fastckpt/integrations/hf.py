@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from fastckpt.api import checkpoint
-from fastckpt.policy import Policy
+from fastckpt.policies import Policy
 
 # The keywords fastckpt.checkpoint takes besides the function and its arguments.
 _CHECKPOINT_OPTIONS = frozenset(

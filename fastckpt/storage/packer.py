@@ -14,7 +14,7 @@ import weakref
 
 import torch
 
-from fastckpt.policy import Policy
+from fastckpt.policies import Policy
 from fastckpt.storage import codecs, offload
 from fastckpt.storage.accounting import SegmentRecord, current_report
 

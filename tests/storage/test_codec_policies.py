@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.policy import Policy
+from fastckpt.policies import Policy
 
 # The targets (README): stored bits per saved float element, scale/offset included.
 BPE_TARGET = {"int8": 8.5, "fp8": 8.5, "int4": 4.5, "int2": 2.5}

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.policy import Policy
+from fastckpt.policies import Policy
 from fastckpt.storage.packer import keep_plain_reason
 from tests.engine.test_equivalence import assert_all_equal, run_step
 from tests.models import TransformerBlock, make_input

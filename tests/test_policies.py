@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.policy import CODECS, Policy, current_policy
+from fastckpt.policies import CODECS, Policy, current_policy
 
 
 @pytest.mark.parametrize(
@@ -102,3 +102,10 @@ def test_rule_returning_a_string_stores_through_that_codec():
     with fastckpt.track() as report:
         fastckpt.checkpoint(lambda t: t.tanh().exp(), x, policy=exact).sum().backward()
     assert report.segments[0].codecs == {"int8"}
+
+
+def test_policy_module_is_not_shadowed_by_the_context_manager():
+    import fastckpt.policies
+
+    assert fastckpt.policies.Policy is fastckpt.Policy
+    assert callable(fastckpt.policy) and fastckpt.policy is fastckpt.policies.policy
