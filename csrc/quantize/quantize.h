@@ -3,15 +3,29 @@
 // (fastckpt/ops/reference.py) implement exactly this arithmetic, so all three give identical codes.
 //
 // Layout of a quantized tensor x with N elements and group size G (row-major flattened order):
-//   groups      ceil(N / G); group g holds elements [g*G, min((g+1)*G, N)).
+//   groups      ceil(N / G); group g holds elements [g*G, min((g+1)*G, N)). A G of N or more means one
+//               group; the kernels then work with G cut to N (rounded up to 16), which is the same
+//               layout, so no buffer ever scales with a G beyond the tensor. G is at most 2^31 - 1.
 //   codes       uint8, ceil(N * bits / 8) bytes; element i lives in byte i*bits/8 at bit offset
 //               (i % (8/bits)) * bits (little-endian, as pack_bits). G is a multiple of 8/bits, so
 //               every group starts on a byte boundary. fp8 codes are float8_e4m3fn bit patterns, one byte each.
 //   scale/offset one 16-bit float per group (affine: fp16 for fp16 inputs, bf16 otherwise; fp8: a
 //               power-of-two scale in bf16). x ~= offset + code * scale (affine), code * scale (fp8).
 //   A group holding NaN or +-Inf stores scale = offset = NaN and codes 0, so every element of that
-//   group decodes to NaN. So does a group whose offset or scale has no 16-bit value (only float32
-//   inputs: a minimum below -3.39e38, bfloat16's lowest, or a max - min beyond float32's range).
+//   group decodes to NaN.
+//
+// Finite groups always get finite parameters, and decode to finite values (no overflow anywhere):
+//   - the offset saturates at the 16-bit format's lowest value (only fp32 inputs below bf16's lowest,
+//     -3.3895e38, reach it; they decode to that value, an error below 2^120, bf16's ulp there);
+//   - max - offset is computed on halves when it overflows float32 ("wide" groups, spanning more than
+//     FLT_MAX), and such groups also encode from halves (x/2 - offset/2) * (2/scale);
+//   - decoding computes offset + code * scale exactly rounded to float32 (the product is exact; when
+//     it overflows, the sum is taken on halves), then clamps to the output dtype's finite range before
+//     rounding to it. The clamp only ever moves a value toward the original (which was in range), so
+//     the error bound (scale/2 for round to nearest) holds; fp8 likewise (e4m3 rounding can carry a
+//     value to the next power of two, past the dtype's maximum, whatever exponent the group has).
+//   Decoding parameters that are not finite (NaN from quantize, Inf only from foreign input) gives
+//   all-NaN groups, with the canonical quiet NaN of the output dtype.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -176,6 +190,49 @@ FASTCKPT_HD uint32_t param_round_up(float v, bool bf16) {
 }
 constexpr uint32_t kParamNaN = 0x7FC0u;  // a quiet NaN in bf16 and in fp16 alike
 FASTCKPT_HD bool is_finite_float(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
+// The format's largest finite value (bf16: 3.3895e38, fp16: 65504), and its negation.
+FASTCKPT_HD uint32_t param_max_bits(bool bf16) { return bf16 ? 0x7F7Fu : 0x7BFFu; }
+FASTCKPT_HD uint32_t param_lowest_bits(bool bf16) { return bf16 ? 0xFF7Fu : 0xFBFFu; }
+
+// ---------------------------------------------------------------- output dtypes: finite range and NaN
+constexpr float kFloatMax = 3.40282347e38f;       // FLT_MAX
+constexpr float kHalfMax = 65504.0f;              // fp16's largest finite value
+constexpr float kBf16Max = 3.38953139e38f;        // bf16's largest finite value, 0x7F7F0000 as float32
+constexpr uint32_t kFloatQuietNaN = 0x7FC00000u;  // the canonical quiet NaN; 0x7E00 in fp16, 0x7FC0 in bf16
+template <typename T>
+FASTCKPT_HD float finite_max();
+template <>
+FASTCKPT_HD float finite_max<float>() {
+  return kFloatMax;
+}
+template <>
+FASTCKPT_HD float finite_max<c10::Half>() {
+  return kHalfMax;
+}
+template <>
+FASTCKPT_HD float finite_max<c10::BFloat16>() {
+  return kBf16Max;
+}
+// The canonical quiet NaN of T as bits (device conversions of a NaN may give other payloads).
+template <typename T>
+FASTCKPT_HD T quiet_nan();
+template <>
+FASTCKPT_HD float quiet_nan<float>() {
+  return float_from_bits(kFloatQuietNaN);
+}
+template <>
+FASTCKPT_HD c10::Half quiet_nan<c10::Half>() {
+  return c10::Half(static_cast<uint16_t>(0x7E00u), c10::Half::from_bits());
+}
+template <>
+FASTCKPT_HD c10::BFloat16 quiet_nan<c10::BFloat16>() {
+  return c10::BFloat16(static_cast<uint16_t>(0x7FC0u), c10::BFloat16::from_bits());
+}
+// v clamped to [-limit, limit]; NaN stays NaN (selects on comparisons, which are false for NaN).
+FASTCKPT_HD float saturate(float v, float limit) {
+  v = v > limit ? limit : v;
+  return v < -limit ? -limit : v;
+}
 
 // ---------------------------------------------------------------- fp8 e4m3 (finite, no Inf)
 // For finite |y| <= 448, which the group scale guarantees (a non-finite group's codes are replaced
@@ -244,9 +301,11 @@ FASTCKPT_HD float uniform01(uint32_t group_key, uint32_t index_in_group) {
 // the rounding offset: 0.5 for round-to-nearest, uniform [0,1) for stochastic rounding), and a
 // code back into a float (decode). Both share one interface so that every kernel serves both.
 
-// A group's parameters; encode reads only offset and inv_scale (fp8: offset 0, offset_bits unused).
+// A group's parameters. encode reads pre, offset and inv_scale: code from (x * pre - offset) * inv_scale,
+// where pre is 1 except in wide affine groups (0.5: see AffineCodec), so offset and inv_scale hold the
+// stored offset times pre and 1 / (scale * pre); scale is the stored scale (fp8: offset 0, offset_bits unused).
 struct GroupParams {
-  float offset, scale, inv_scale;
+  float offset, scale, inv_scale, pre;
   uint32_t offset_bits, scale_bits;  // as stored: 16-bit float patterns
   bool finite;
 };
@@ -254,51 +313,99 @@ struct GroupParams {
 // Asymmetric per-group integer codes: x ~= offset + code * scale, code in [0, 2^bits - 1].
 // Offset is rounded down and scale up to the stored 16-bit format, and codes are computed from the
 // stored values, so the grid covers [min, max] and round-to-nearest errs by at most scale / 2.
+// Nothing overflows for finite data: the offset saturates at the format's lowest value (fp32 values
+// below bf16's lowest then decode to it), and a group whose max - offset exceeds float32's range
+// ("wide") computes its step, and its codes, from halves of the values (exact: such values are large).
 template <int kBitsArg>
 struct AffineCodec {
   static constexpr int kBits = kBitsArg;
   static constexpr bool kHasOffset = true;
+  static constexpr bool kCanBeWide = true;
   static constexpr int kMaxCode = (1 << kBits) - 1;
   using Params = GroupParams;
 
   // Branch-free (selects only), so that groups overlap in the CPU's pipeline.
   FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool bf16) {
-    const uint32_t offset_bits = param_round_down(lo, bf16);
+    uint32_t offset_bits = param_round_down(lo, bf16);
+    offset_bits = is_finite_float(param_to_float(offset_bits, bf16)) ? offset_bits : param_lowest_bits(bf16);
     const float offset = param_to_float(offset_bits, bf16);
-    const float step = div_rn(sub_rn(hi, offset), static_cast<float>(kMaxCode));
-    // A floor of 2^-126 keeps 1/scale finite (constant groups decode exactly through code 0).
-    const uint32_t scale_bits = param_round_up(step > 1.17549435e-38f ? step : 1.17549435e-38f, bf16);
+    const float range = sub_rn(hi, offset);
+    // Wide: max - offset overflows; halving is exact there (both are beyond 2^100 in magnitude).
+    const bool wide = !is_finite_float(range);
+    const float half_range = sub_rn(mul_rn(hi, 0.5f), mul_rn(offset, 0.5f));
+    const float step = wide ? mul_rn(div_rn(half_range, static_cast<float>(kMaxCode)), 2.0f)
+                            : div_rn(range, static_cast<float>(kMaxCode));
+    // A floor of 2^-126 keeps 1/scale finite (constant groups decode exactly through code 0). The step
+    // is at most (FLT_MAX + 3.39e38) / 3 (bf16) or 131008 / 3 (fp16): rounding it up cannot overflow,
+    // the saturation only guards the format.
+    uint32_t scale_bits = param_round_up(step > 1.17549435e-38f ? step : 1.17549435e-38f, bf16);
+    scale_bits = is_finite_float(param_to_float(scale_bits, bf16)) ? scale_bits : param_max_bits(bf16);
     const float scale = param_to_float(scale_bits, bf16);
-    // Non-finite data, or an offset/scale beyond the 16-bit range: NaN parameters, codes 0.
-    const bool ok = finite && is_finite_float(offset) && is_finite_float(scale);
-    return Params{ok ? offset : 0.f,  ok ? scale : 0.f,  ok ? div_rn(1.0f, scale) : 0.f,
-                  ok ? offset_bits : kParamNaN, ok ? scale_bits : kParamNaN, ok};
+    const float inv_scale = div_rn(1.0f, scale);
+    // Non-finite data: NaN parameters, codes 0.
+    return Params{finite ? (wide ? mul_rn(offset, 0.5f) : offset) : 0.f,
+                  finite ? scale : 0.f,
+                  finite ? (wide ? mul_rn(inv_scale, 2.0f) : inv_scale) : 0.f,
+                  finite && wide ? 0.5f : 1.0f,
+                  finite ? offset_bits : kParamNaN,
+                  finite ? scale_bits : kParamNaN,
+                  finite};
   }
 
+  // Any group.
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float u) {
+    return encode_unscaled(p, mul_rn(x, p.pre), u);
+  }
+
+  // Groups with pre == 1 (all but wide ones), where x * pre == x: the same codes, one multiply sooner.
+  FASTCKPT_HD static uint32_t encode_unscaled(const Params& p, float x, float u) {
     float t = mul_rn(sub_rn(x, p.offset), p.inv_scale);
     // NaN (only in non-finite groups, whose codes are replaced by 0) becomes 0 here, so it never
     // reaches the float-to-int conversion. Above, t is at most kMaxCode plus a few ulp (x <= max,
-    // offset <= min, scale rounded up), so the clamp can wait for the integer: one float select and
-    // one integer min, where clamping both ends in float made GCC emit a chain of mask operations
-    // that cost 2.4x the whole encode loop.
+    // offset <= min, scale rounded up; wide groups on halves, so x/2 - offset/2 cannot overflow), so
+    // the clamp can wait for the integer: one float select and one integer min, where clamping both
+    // ends in float made GCC emit a chain of mask operations that cost 2.4x the whole encode loop.
+    // Values below a saturated offset give t < 0: code 0.
     t = t > 0.f ? t : 0.f;
     const int32_t q = static_cast<int32_t>(add_rn(t, u));  // t + u >= 0: truncation is floor
     return static_cast<uint32_t>(q < kMaxCode ? q : kMaxCode);
   }
 
+  // offset + code * scale for groups where no code leaves [-limit, limit] (in_range): the product is
+  // exact (at most 8 + 11 significant bits), so this is the exact value rounded once to float32.
   FASTCKPT_HD static float decode(float offset, float scale, uint32_t code) {
     return add_rn(offset, mul_rn(static_cast<float>(static_cast<int32_t>(code)), scale));
+  }
+
+  // The same value for finite parameters and any code, without overflowing on the way: when code * scale
+  // overflows, the sum is taken on halves (exact: the offset is then large, or the sum overflows anyway).
+  // May give +-Inf (the exact value is beyond float32), which decode_saturated clamps.
+  FASTCKPT_HD static float decode_any(float offset, float scale, uint32_t code) {
+    const float c = static_cast<float>(static_cast<int32_t>(code));
+    const float product = mul_rn(c, scale);
+    const float halves = mul_rn(add_rn(mul_rn(offset, 0.5f), mul_rn(c, mul_rn(scale, 0.5f))), 2.0f);
+    return is_finite_float(product) ? add_rn(offset, product) : halves;
+  }
+
+  // Whether decode (no clamp) keeps every code of a group within [-limit, limit]: both ends of its grid
+  // are (decode is monotonic in the code). False for non-finite parameters.
+  FASTCKPT_HD static bool in_range(float offset, float scale, float limit) {
+    const float top = decode(offset, scale, kMaxCode);
+    return offset >= -limit && offset <= limit && top >= -limit && top <= limit;
   }
 };
 
 // fp8 e4m3 codes with a power-of-two group scale 2^e, e the smallest with max|x| / 2^e <= 448:
 // scaling is exact, so each element rounds once, to e4m3's nearest (even). Stored as bf16, which
-// holds every 2^e exactly.
+// holds every 2^e exactly. Rounding may carry a value up to the next power of two (1.9375 * 2^k and
+// above round to 2^(k+1) at any e), beyond the input dtype's maximum when k is its top binade: decoding
+// clamps to the output dtype's range, which only brings such values closer to the original.
 struct Fp8Codec {
   static constexpr int kBits = 8;
   static constexpr bool kHasOffset = false;
+  static constexpr bool kCanBeWide = false;
   static constexpr int kMinExponent = -126;  // keeps 2^e and 2^-e normal floats
+  static constexpr float kMaxCode = 448.0f;  // e4m3's largest finite magnitude
   using Params = GroupParams;
 
   FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool /*bf16: always*/) {
@@ -310,18 +417,35 @@ struct Fp8Codec {
     e = e > kMinExponent ? e : kMinExponent;
     const float inv_scale = float_from_bits(static_cast<uint32_t>(127 - e) << 23);
     const float scale = float_from_bits(static_cast<uint32_t>(127 + e) << 23);
-    return Params{0.f, finite ? scale : 0.f, finite ? inv_scale : 0.f, 0u,
+    return Params{0.f, finite ? scale : 0.f, finite ? inv_scale : 0.f, 1.0f, 0u,
                   finite ? static_cast<uint32_t>(127 + e) << 7 : kParamNaN, finite};
   }
 
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float /*u*/) {
     return float_to_e4m3_bits(mul_rn(x, p.inv_scale));
   }
+  FASTCKPT_HD static uint32_t encode_unscaled(const Params& p, float x, float u) { return encode(p, x, u); }
 
+  // code * scale: exact (a power-of-two scale) unless it overflows to Inf, which decode_saturated clamps.
   FASTCKPT_HD static float decode(float /*offset*/, float scale, uint32_t code) {
     return mul_rn(e4m3_bits_to_float(code), scale);
   }
+  FASTCKPT_HD static float decode_any(float offset, float scale, uint32_t code) { return decode(offset, scale, code); }
+
+  FASTCKPT_HD static bool in_range(float /*offset*/, float scale, float limit) {
+    const float top = mul_rn(kMaxCode, scale);
+    return top >= -limit && top <= limit;
+  }
 };
+
+// The decoded value of one code, in float32, for output limit finite_max<T>(): the exact value rounded
+// to float32, clamped to [-limit, limit] (then rounding to T cannot overflow); NaN when the group's
+// parameters are not finite. Equal to Codec::decode for groups that are in_range.
+template <typename Codec>
+FASTCKPT_HD float decode_saturated(float offset, float scale, uint32_t code, float limit) {
+  const bool ok = is_finite_float(offset) && is_finite_float(scale);
+  return ok ? saturate(Codec::decode_any(offset, scale, code), limit) : float_from_bits(kFloatQuietNaN);
+}
 
 // Runs `body` with scalar_t bound to the input's C++ type (float32, float16, bfloat16 only).
 #define FASTCKPT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                   \
@@ -360,15 +484,30 @@ inline void check_output_dtype(const char* op, at::ScalarType dtype) {
               " is not supported; supported: float32, float16, bfloat16");
 }
 
+// Group sizes beyond 2^31 - 1 (INT32_MAX, as fastckpt.Policy allows) are rejected: a group never needs
+// more elements than its tensor, and indices within a group stay 32-bit (the RNG's counter).
+constexpr int64_t kMaxGroupSize = 2147483647;
+
 inline void check_bits_and_group(const char* op, int64_t bits, int64_t group_size) {
   TORCH_CHECK(bits == 8 || bits == 4 || bits == 2, op, ": bits must be 8, 4 or 2, got ", bits);
   const int64_t per_byte = 8 / bits;
-  TORCH_CHECK(group_size > 0 && group_size % per_byte == 0, op, ": group_size must be a positive multiple of ",
-              per_byte, " for bits=", bits, " (so that every group starts on a byte), got ", group_size);
+  TORCH_CHECK(group_size > 0 && group_size <= kMaxGroupSize && group_size % per_byte == 0, op,
+              ": group_size must be a positive multiple of ", per_byte, " for bits=", bits,
+              " (so that every group starts on a byte) and at most ", kMaxGroupSize, " (2^31 - 1), got ", group_size);
 }
 
 inline void check_group_size(const char* op, int64_t group_size) {
-  TORCH_CHECK(group_size > 0, op, ": group_size must be positive, got ", group_size);
+  TORCH_CHECK(group_size > 0 && group_size <= kMaxGroupSize, op,
+              ": group_size must be positive and at most ", kMaxGroupSize, " (2^31 - 1), got ", group_size);
+}
+
+// The group size kernels work with: group_size cut to numel rounded up to 16 (a multiple of every
+// 8/bits and of the CUDA kernels' vector widths, so a vector path stays a vector path). Same layout (one
+// group whenever group_size >= numel), so encode and decode agree whichever of the two they are given,
+// and no buffer scales with a group_size beyond the tensor.
+inline int64_t effective_group_size(int64_t numel, int64_t group_size) {
+  const int64_t whole = (numel + 15) / 16 * 16;
+  return whole > 0 && whole < group_size ? whole : group_size;
 }
 
 inline int64_t shape_numel(const char* op, at::IntArrayRef shape) {

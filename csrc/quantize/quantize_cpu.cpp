@@ -157,13 +157,25 @@ FASTCKPT_HD void group_range(const T* __restrict__ src, int64_t n, typename Keys
   hi_key = hi;
 }
 
-// One code per byte for src[0, n).
-template <typename T, typename Codec, bool kStochastic>
+// One code per byte for src[0, n). kScaled: the group's pre is not 1 (a wide affine group, rare); the
+// loop for the others skips the multiply by 1.
+template <typename T, typename Codec, bool kStochastic, bool kScaled>
 FASTCKPT_HD void encode_group(const T* __restrict__ src, uint8_t* __restrict__ out, int64_t n, const GroupParams& p,
                               uint32_t key) {
   for (int64_t i = 0; i < n; ++i) {
     const float u = kStochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
-    out[i] = static_cast<uint8_t>(Codec::encode(p, to_float(src[i]), u));
+    const float x = to_float(src[i]);
+    out[i] = static_cast<uint8_t>(kScaled ? Codec::encode(p, x, u) : Codec::encode_unscaled(p, x, u));
+  }
+}
+
+template <typename T, typename Codec, bool kStochastic>
+FASTCKPT_HD void encode_any_group(const T* __restrict__ src, uint8_t* __restrict__ out, int64_t n,
+                                  const GroupParams& p, uint32_t key) {
+  if (Codec::kCanBeWide && p.pre != 1.0f) {
+    encode_group<T, Codec, kStochastic, true>(src, out, n, p, key);
+  } else {
+    encode_group<T, Codec, kStochastic, false>(src, out, n, p, key);
   }
 }
 
@@ -212,7 +224,8 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
   // affine_param_dtype as a constant: a run-time choice inside the parameter loop blocks its vectorization
   constexpr bool kBf16Params = !std::is_same_v<T, c10::Half>;
   const int64_t block = block_groups(group_size);
-  float lo[kMaxBlockGroups], hi[kMaxBlockGroups], offsets[kMaxBlockGroups], inv_scales[kMaxBlockGroups];
+  float lo[kMaxBlockGroups], hi[kMaxBlockGroups], offsets[kMaxBlockGroups], inv_scales[kMaxBlockGroups],
+      pres[kMaxBlockGroups];
   int32_t finite[kMaxBlockGroups];  // int32, not bool: keeps the parameter loop in one vector width
   typename Keys<T>::Key lo_keys[kMaxBlockGroups], hi_keys[kMaxBlockGroups];
   for (int64_t g0 = begin; g0 < end; g0 += block) {
@@ -232,6 +245,7 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
       const GroupParams p = Codec::make(lo[b], hi[b], finite[b] != 0, kBf16Params);
       offsets[b] = p.offset;
       inv_scales[b] = p.inv_scale;
+      pres[b] = p.pre;
       finite[b] = p.finite;
       scale[g0 + b] = static_cast<uint16_t>(p.scale_bits);
       if constexpr (Codec::kHasOffset) offset[g0 + b] = static_cast<uint16_t>(p.offset_bits);
@@ -241,7 +255,7 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
     int64_t widened_from = 0;  // fp16: values holds the block's elements from here on, as fp32
     for (int64_t b = 0; b < groups; ++b) {
       const int64_t at = b * group_size, n = std::min(group_size, count - at);
-      const GroupParams p{offsets[b], 0.f, inv_scales[b], 0u, 0u, finite[b] != 0};
+      const GroupParams p{offsets[b], 0.f, inv_scales[b], pres[b], 0u, 0u, finite[b] != 0};
       const BlockValue<T>* encoded = nullptr;
       if constexpr (std::is_same_v<T, c10::Half>) {
         // widened a few groups at a time, so that they are still in L1 when encoded
@@ -254,9 +268,9 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
         encoded = src + at;
       }
       if (stochastic) {
-        encode_group<BlockValue<T>, Codec, true>(encoded, unpacked + at, n, p, group_key(seed_key, g0 + b));
+        encode_any_group<BlockValue<T>, Codec, true>(encoded, unpacked + at, n, p, group_key(seed_key, g0 + b));
       } else {
-        encode_group<BlockValue<T>, Codec, false>(encoded, unpacked + at, n, p, 0);
+        encode_any_group<BlockValue<T>, Codec, false>(encoded, unpacked + at, n, p, 0);
       }
       // A non-finite group decodes to NaN through its parameters; its codes are 0.
       if (!finite[b]) std::fill_n(unpacked + at, n, uint8_t{0});
@@ -274,8 +288,10 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
                                            bool bf16_params, T* out, int64_t numel, int64_t group_size, int64_t begin,
                                            int64_t end, uint8_t* scratch, float* values) {
   constexpr int kPerByte = 8 / Codec::kBits;
+  const float limit = finite_max<T>();
   const int64_t block = block_groups(group_size);
   float scales[kMaxBlockGroups], offsets[kMaxBlockGroups];
+  int32_t in_range[kMaxBlockGroups];  // int32, not bool: keeps the loop that fills it in one vector width
   for (int64_t g0 = begin; g0 < end; g0 += block) {
     const int64_t groups = std::min(block, end - g0);
     const int64_t first = g0 * group_size;
@@ -287,7 +303,10 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
       for (int64_t b = 0; b < groups; ++b) {
         offsets[b] = bf16_params ? bf16_bits_to_float(offset[g0 + b]) : half_bits_to_float(offset[g0 + b]);
       }
+    } else {
+      std::fill_n(offsets, groups, 0.f);
     }
+    for (int64_t b = 0; b < groups; ++b) in_range[b] = Codec::in_range(offsets[b], scales[b], limit);
     const uint8_t* unpacked = codes + first / kPerByte;
     if constexpr (kPerByte > 1) {
       unpack_codes<Codec::kBits>(unpacked, scratch, (count + kPerByte - 1) / kPerByte);
@@ -296,7 +315,7 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
     int64_t narrowed_to = 0;  // fp16: values holds decoded elements from here on, as fp32
     for (int64_t b = 0; b < groups; ++b) {
       const int64_t at = b * group_size, n = std::min(group_size, count - at);
-      const float s = scales[b], o = Codec::kHasOffset ? offsets[b] : 0.f;
+      const float s = scales[b], o = offsets[b];
       const uint8_t* __restrict__ q = unpacked + at;
       BlockValue<T>* y = nullptr;
       if constexpr (std::is_same_v<T, c10::Half>) {
@@ -309,11 +328,17 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
       } else {
         y = out + first + at;
       }
-      // A group with NaN parameters (codes 0) is filled with its one decoded value (the NaN bits the
-      // reference gives), so the loop below never rounds a NaN: bf16 rounding then needs no NaN
-      // select, which cost 30% of its time. Inf parameters only come from foreign input.
+      // A group with NaN parameters (codes 0; Inf ones only come from foreign input) is filled with
+      // the canonical NaN, so the loops below never round a NaN: bf16 rounding then needs no NaN
+      // select, which cost 30% of its time.
       if (!is_finite_float(s) || !is_finite_float(o)) {
-        std::fill_n(y, n, from_float<BlockValue<T>>(Codec::decode(o, s, 0)));
+        std::fill_n(y, n, from_float<BlockValue<T>>(float_from_bits(kFloatQuietNaN)));
+        continue;
+      }
+      // Groups some of whose codes would leave T's finite range (values near the dtype's maximum, or
+      // codes * scale beyond float32): clamped decoding, never NaN here. Rare; the others skip the clamp.
+      if (!in_range[b]) {
+        for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(decode_saturated<Codec>(o, s, q[i], limit));
         continue;
       }
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
@@ -377,8 +402,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_group_cpu(const at::
                                                                       int64_t group_size, bool stochastic,
                                                                       int64_t seed) {
   auto b = prepare_quantize_per_group(x, bits, group_size);
+  const int64_t group = effective_group_size(b.src.numel(), group_size);
   dispatch_affine_bits(bits, [&](auto codec) {
-    quantize_cpu_impl<decltype(codec)>(b.src, b.codes, b.scale, &b.offset, group_size, stochastic, seed);
+    quantize_cpu_impl<decltype(codec)>(b.src, b.codes, b.scale, &b.offset, group, stochastic, seed);
   });
   return {b.codes, b.scale, b.offset};
 }
@@ -386,23 +412,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_group_cpu(const at::
 at::Tensor dequantize_per_group_cpu(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset,
                                     int64_t bits, int64_t group_size, at::ScalarType dtype, at::IntArrayRef shape) {
   const int64_t numel = check_dequantize_per_group(codes, scale, offset, bits, group_size, dtype, shape);
+  const int64_t group = effective_group_size(numel, group_size);
   at::Tensor out;
   dispatch_affine_bits(bits, [&](auto codec) {
-    out = dequantize_cpu_impl<decltype(codec)>(codes, scale, &offset, group_size, dtype, shape, numel);
+    out = dequantize_cpu_impl<decltype(codec)>(codes, scale, &offset, group, dtype, shape, numel);
   });
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_per_group_cpu(const at::Tensor& x, int64_t group_size) {
   auto b = prepare_quantize_fp8(x, group_size);
-  quantize_cpu_impl<Fp8Codec>(b.src, b.codes, b.scale, nullptr, group_size, false, 0);
+  quantize_cpu_impl<Fp8Codec>(b.src, b.codes, b.scale, nullptr, effective_group_size(b.src.numel(), group_size),
+                              false, 0);
   return {b.codes, b.scale};
 }
 
 at::Tensor dequantize_fp8_per_group_cpu(const at::Tensor& codes, const at::Tensor& scale, int64_t group_size,
                                         at::ScalarType dtype, at::IntArrayRef shape) {
   const int64_t numel = check_dequantize_fp8(codes, scale, group_size, dtype, shape);
-  return dequantize_cpu_impl<Fp8Codec>(codes, scale, nullptr, group_size, dtype, shape, numel);
+  return dequantize_cpu_impl<Fp8Codec>(codes, scale, nullptr, effective_group_size(numel, group_size), dtype, shape,
+                                       numel);
 }
 
 }  // namespace

@@ -169,6 +169,14 @@ __device__ __forceinline__ int64_t group_of_chunk(int64_t chunk, int64_t chunks_
   return chunk / chunks_per_group;
 }
 
+// One decoded element as T, bit-identical to the CPU kernels: clamped to T's finite range, and the
+// canonical NaN for non-finite parameters (a device conversion of a NaN could give other bits).
+template <typename T, typename Codec>
+__device__ __forceinline__ T decode_to(float o, float s, uint32_t code) {
+  const float y = decode_saturated<Codec>(o, s, code, finite_max<T>());
+  return is_finite_float(o) && is_finite_float(s) ? from_float<T>(y) : quiet_nan<T>();
+}
+
 // Rebuilds output elements [base, base + V) one by one: chunks that straddle groups or the end.
 template <typename T, typename Codec>
 __device__ __forceinline__ void dequantize_elements(const uint8_t* __restrict__ codes,
@@ -181,7 +189,7 @@ __device__ __forceinline__ void dequantize_elements(const uint8_t* __restrict__ 
     const float s = param_to_float(scale[g], bf16_params);
     const float o = Codec::kHasOffset ? param_to_float(offset[g], bf16_params) : 0.f;
     const uint32_t code = (codes[i * kBits / 8] >> ((i % (8 / kBits)) * kBits)) & ((1u << kBits) - 1);
-    out[i] = from_float<T>(Codec::decode(o, s, code));
+    out[i] = decode_to<T, Codec>(o, s, code);
   }
 }
 
@@ -220,7 +228,7 @@ __global__ void __launch_bounds__(kThreads)
       T* vals = reinterpret_cast<T*>(&raw);
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        vals[v] = from_float<T>(Codec::decode(o, s, static_cast<uint32_t>(packed[k] >> (v * kBits)) & kMask));
+        vals[v] = decode_to<T, Codec>(o, s, static_cast<uint32_t>(packed[k] >> (v * kBits)) & kMask);
       }
       *reinterpret_cast<uint4*>(out + t * V) = raw;
     }
@@ -285,7 +293,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_per_group_cuda(const at:
                                                                        int64_t seed) {
   c10::cuda::CUDAGuard guard(x.device());
   auto b = prepare_quantize_per_group(x, bits, group_size);
-  dispatch_affine_bits(bits, [&](auto codec) { quantize_cuda_impl<decltype(codec)>(b, group_size, stochastic, seed); });
+  const int64_t group = effective_group_size(b.src.numel(), group_size);
+  dispatch_affine_bits(bits, [&](auto codec) { quantize_cuda_impl<decltype(codec)>(b, group, stochastic, seed); });
   return {b.codes, b.scale, b.offset};
 }
 
@@ -293,9 +302,10 @@ at::Tensor dequantize_per_group_cuda(const at::Tensor& codes, const at::Tensor& 
                                      int64_t bits, int64_t group_size, at::ScalarType dtype, at::IntArrayRef shape) {
   const int64_t numel = check_dequantize_per_group(codes, scale, offset, bits, group_size, dtype, shape);
   c10::cuda::CUDAGuard guard(codes.device());
+  const int64_t group = effective_group_size(numel, group_size);
   at::Tensor out;
   dispatch_affine_bits(bits, [&](auto codec) {
-    out = dequantize_cuda_impl<decltype(codec)>(codes, scale, &offset, group_size, dtype, shape, numel);
+    out = dequantize_cuda_impl<decltype(codec)>(codes, scale, &offset, group, dtype, shape, numel);
   });
   return out;
 }
@@ -303,7 +313,7 @@ at::Tensor dequantize_per_group_cuda(const at::Tensor& codes, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> quantize_fp8_per_group_cuda(const at::Tensor& x, int64_t group_size) {
   c10::cuda::CUDAGuard guard(x.device());
   auto b = prepare_quantize_fp8(x, group_size);
-  quantize_cuda_impl<Fp8Codec>(b, group_size, false, 0);
+  quantize_cuda_impl<Fp8Codec>(b, effective_group_size(b.src.numel(), group_size), false, 0);
   return {b.codes, b.scale};
 }
 
@@ -311,7 +321,8 @@ at::Tensor dequantize_fp8_per_group_cuda(const at::Tensor& codes, const at::Tens
                                          at::ScalarType dtype, at::IntArrayRef shape) {
   const int64_t numel = check_dequantize_fp8(codes, scale, group_size, dtype, shape);
   c10::cuda::CUDAGuard guard(codes.device());
-  return dequantize_cuda_impl<Fp8Codec>(codes, scale, nullptr, group_size, dtype, shape, numel);
+  return dequantize_cuda_impl<Fp8Codec>(codes, scale, nullptr, effective_group_size(numel, group_size), dtype,
+                                        shape, numel);
 }
 
 }  // namespace

@@ -4,6 +4,7 @@ from fastckpt.ops.bitpack import pack_bits, unpack_bits
 from fastckpt.ops.quantize import (
     DEFAULT_GROUP_SIZE,
     FP8_DEFAULT_GROUP_SIZE,
+    MAX_GROUP_SIZE,
     dequantize_fp8_per_group,
     dequantize_per_group,
     quantize_fp8_per_group,
@@ -13,6 +14,7 @@ from fastckpt.ops.quantize import (
 __all__ = [
     "DEFAULT_GROUP_SIZE",
     "FP8_DEFAULT_GROUP_SIZE",
+    "MAX_GROUP_SIZE",
     "dequantize_fp8_per_group",
     "dequantize_per_group",
     "pack_bits",

@@ -19,6 +19,9 @@ extension()  # the schemas below must be registered before their fake kernels
 DEFAULT_GROUP_SIZE: dict[int, int] = {8: 128, 4: 64, 2: 64}
 # One bf16 power-of-two scale per 64 fp8 codes: 8.25 bits per element.
 FP8_DEFAULT_GROUP_SIZE = 64
+# The largest group_size the ops accept (csrc/quantize/quantize.h kMaxGroupSize; fastckpt.Policy's bound).
+# A group_size at or beyond the tensor's size means one group; the kernels never allocate for more.
+MAX_GROUP_SIZE = 2**31 - 1
 
 
 def affine_param_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -65,10 +68,29 @@ def _num_groups(numel: int, group_size: int) -> int:
     return (numel + group_size - 1) // group_size
 
 
+def _check_group_size(op: str, group_size: int, bits: int | None = None) -> None:
+    """The kernels' group_size check (same message), for the fake kernels."""
+    if bits is None:
+        if not 0 < group_size <= MAX_GROUP_SIZE:
+            raise RuntimeError(
+                f"{op}: group_size must be positive and at most {MAX_GROUP_SIZE} (2^31 - 1), got {group_size}"
+            )
+        return
+    if bits not in (8, 4, 2):
+        raise RuntimeError(f"{op}: bits must be 8, 4 or 2, got {bits}")
+    per_byte = 8 // bits
+    if not (0 < group_size <= MAX_GROUP_SIZE and group_size % per_byte == 0):
+        raise RuntimeError(
+            f"{op}: group_size must be a positive multiple of {per_byte} for bits={bits} (so that every group "
+            f"starts on a byte) and at most {MAX_GROUP_SIZE} (2^31 - 1), got {group_size}"
+        )
+
+
 @torch.library.register_fake("fastckpt::quantize_per_group")
 def _quantize_per_group_fake(
     x: torch.Tensor, bits: int, group_size: int, stochastic: bool = False, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_group_size("quantize_per_group", group_size, bits)
     codes = x.new_empty(((x.numel() * bits + 7) // 8,), dtype=torch.uint8)
     scale = x.new_empty((_num_groups(x.numel(), group_size),), dtype=affine_param_dtype(x.dtype))
     return codes, scale, torch.empty_like(scale)
@@ -84,11 +106,13 @@ def _dequantize_per_group_fake(
     dtype: torch.dtype,
     shape: list[int],
 ) -> torch.Tensor:
+    _check_group_size("dequantize_per_group", group_size, bits)
     return codes.new_empty(shape, dtype=dtype)
 
 
 @torch.library.register_fake("fastckpt::quantize_fp8_per_group")
 def _quantize_fp8_per_group_fake(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_group_size("quantize_fp8_per_group", group_size)
     codes = x.new_empty((x.numel(),), dtype=torch.uint8)
     return codes, x.new_empty((_num_groups(x.numel(), group_size),), dtype=torch.bfloat16)
 
@@ -97,4 +121,5 @@ def _quantize_fp8_per_group_fake(x: torch.Tensor, group_size: int) -> tuple[torc
 def _dequantize_fp8_per_group_fake(
     codes: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype, shape: list[int]
 ) -> torch.Tensor:
+    _check_group_size("dequantize_fp8_per_group", group_size)
     return codes.new_empty(shape, dtype=dtype)

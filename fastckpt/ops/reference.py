@@ -30,6 +30,10 @@ _KEY_POS_INF = 0x7F800000  # order key of +Inf; keys above it are NaN
 _KEY_NEG_INF = -0x7F800001  # order key of -Inf; keys below it are NaN
 _PARAM_NAN = 0x7FC0  # the 16-bit NaN stored as scale/offset of a group holding NaN or Inf
 _MIN_NORMAL = 2.0**-126
+_PARAM_LOWEST = {torch.float16: 0xFBFF, torch.bfloat16: 0xFF7F}  # -65504, -3.3895e38
+_PARAM_MAX = {torch.float16: 0x7BFF, torch.bfloat16: 0x7F7F}
+# The canonical quiet NaN of each output dtype, as bits (torch's own conversions vary: bf16 gives 0xFFFF).
+_QUIET_NAN = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 
 
 def _order_keys(x: torch.Tensor) -> torch.Tensor:
@@ -122,19 +126,54 @@ def _per_element(params: torch.Tensor, group_size: int, numel: int) -> torch.Ten
     return params.float().repeat_interleave(group_size)[:numel]
 
 
+def effective_group_size(numel: int, group_size: int) -> int:
+    """group_size cut to numel rounded up to 16 (quantize.h's effective_group_size): the same layout."""
+    whole = (numel + 15) // 16 * 16
+    return whole if 0 < whole < group_size else group_size
+
+
+def _saturated(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float32 values clamped to dtype's finite range (NaN stays NaN)."""
+    limit = torch.finfo(dtype).max
+    return torch.where(values > limit, limit, torch.where(values < -limit, -limit, values))
+
+
+def _to_output(values: torch.Tensor, params_ok: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+    """Decoded float32 values rounded to dtype after the clamp to its finite range; elements whose group
+    has non-finite parameters become dtype's canonical quiet NaN."""
+    out = _saturated(values, dtype).to(dtype)
+    nan_bits = torch.tensor(_QUIET_NAN[dtype], dtype=torch.int64)
+    if dtype == torch.float32:
+        nan = nan_bits.to(torch.int32).view(torch.float32)
+    else:
+        nan = _bits16_to(nan_bits, dtype)
+    return torch.where(params_ok, out, nan.to(values.device)).view(shape)
+
+
 def quantize_per_group_ref(
     x: torch.Tensor, bits: int, group_size: int, stochastic: bool = False, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Reference of fastckpt::quantize_per_group: (packed uint8 codes, scale, offset)."""
     max_code = (1 << bits) - 1
     param_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
+    group_size = effective_group_size(x.numel(), group_size)
     values, lo, hi, finite = _grouped(x, group_size)
     lo, hi = torch.where(finite, lo, 0.0), torch.where(finite, hi, 0.0)
     offset = _round_to_param(lo, param_dtype, up=False)
-    step = (hi - offset.float()) / max_code
+    lowest = _bits16_to(torch.full_like(lo, _PARAM_LOWEST[param_dtype], dtype=torch.int32), param_dtype)
+    offset = torch.where(torch.isfinite(offset.float()), offset, lowest)  # saturates (fp32 below bf16's lowest)
+    o = offset.float()
+    # a group spanning more than float32's range ("wide") takes its step, and its codes, from halves
+    wide = ~torch.isfinite(hi - o)
+    step = torch.where(wide, (hi * 0.5 - o * 0.5) / max_code * 2.0, (hi - o) / max_code)
     scale = _round_to_param(torch.clamp(step, min=_MIN_NORMAL), param_dtype, up=True)
-    finite &= torch.isfinite(offset.float()) & torch.isfinite(scale.float())
-    t = (values - offset.float()[:, None]) * (1.0 / scale.float())[:, None]
+    top = _bits16_to(torch.full_like(lo, _PARAM_MAX[param_dtype], dtype=torch.int32), param_dtype)
+    scale = torch.where(torch.isfinite(scale.float()), scale, top)
+    inv_scale = 1.0 / scale.float()
+    pre = torch.where(wide, 0.5, 1.0)[:, None]
+    enc_offset = torch.where(wide, o * 0.5, o)[:, None]
+    enc_inv_scale = torch.where(wide, inv_scale * 2.0, inv_scale)[:, None]
+    t = (values * pre - enc_offset) * enc_inv_scale
     t = torch.where(t < 0, 0.0, t)
     t = torch.where(t < max_code, t, float(max_code))
     u = _uniform01(seed, values.shape[0], group_size, x.device) if stochastic else 0.5
@@ -157,18 +196,23 @@ def dequantize_per_group_ref(
     dtype: torch.dtype,
     shape: list[int],
 ) -> torch.Tensor:
-    """Reference of fastckpt::dequantize_per_group: offset + code * scale in float32, rounded to dtype."""
+    """Reference of fastckpt::dequantize_per_group: offset + code * scale rounded once to float32 (the
+    product is exact; taken on halves where it overflows), clamped to dtype's finite range, rounded to
+    dtype; all-NaN where the group's parameters are not finite."""
     numel = 1
     for s in shape:
         numel *= s
+    group_size = effective_group_size(numel, group_size)
     q = _unpack_codes(codes, bits, numel).float()
-    values = _per_element(offset, group_size, numel) + q * _per_element(scale, group_size, numel)
-    return values.to(dtype).view(shape)
+    o, s = _per_element(offset, group_size, numel), _per_element(scale, group_size, numel)
+    product = q * s
+    values = torch.where(torch.isfinite(product), o + product, (o * 0.5 + q * (s * 0.5)) * 2.0)
+    return _to_output(values, torch.isfinite(o) & torch.isfinite(s), dtype, shape)
 
 
 def quantize_fp8_per_group_ref(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of fastckpt::quantize_fp8_per_group: (e4m3 codes as uint8, power-of-two bf16 scale)."""
-    values, lo, hi, finite = _grouped(x, group_size)
+    values, lo, hi, finite = _grouped(x, effective_group_size(x.numel(), group_size))
     amax = torch.maximum(lo.view(torch.int32) & 0x7FFFFFFF, hi.view(torch.int32) & 0x7FFFFFFF)
     # the smallest e with amax / 2^e <= 448 = 1.75 * 2^8, read off amax's exponent and mantissa bits
     e = (amax >> 23) - torch.where((amax & 0x7FFFFF) <= 0x600000, 135, 134)
@@ -184,6 +228,8 @@ def quantize_fp8_per_group_ref(x: torch.Tensor, group_size: int) -> tuple[torch.
 def dequantize_fp8_per_group_ref(
     codes: torch.Tensor, scale: torch.Tensor, group_size: int, dtype: torch.dtype, shape: list[int]
 ) -> torch.Tensor:
-    """Reference of fastckpt::dequantize_fp8_per_group: code * scale in float32, rounded to dtype."""
-    values = codes.view(torch.float8_e4m3fn).float() * _per_element(scale, group_size, codes.numel())
-    return values.to(dtype).view(shape)
+    """Reference of fastckpt::dequantize_fp8_per_group: code * scale in float32 (exact, or Inf), clamped
+    to dtype's finite range, rounded to dtype; all-NaN where the group's scale is not finite."""
+    s = _per_element(scale, effective_group_size(codes.numel(), group_size), codes.numel())
+    values = codes.view(torch.float8_e4m3fn).float() * s
+    return _to_output(values, torch.isfinite(s), dtype, shape)

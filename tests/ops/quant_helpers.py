@@ -1,4 +1,4 @@
-"""Shared by test_quantize.py and test_fp8.py: devices, sample data and rounding-error bounds."""
+"""Shared by the quantize tests: devices, sample data and rounding-error bounds."""
 
 from __future__ import annotations
 
@@ -35,6 +35,50 @@ def hard_groups(dtype: torch.dtype, group_size: int) -> torch.Tensor:
     return torch.stack(rows).to(dtype)
 
 
+def extreme_groups(dtype: torch.dtype, group_size: int) -> torch.Tensor:
+    """Finite groups at the ends of dtype's range, one per row: +-max, max and -max together, max and 0,
+    values just below max, denormals, huge and tiny mixed; float32 and float16 add their known traps."""
+    info = torch.finfo(dtype)
+    top, tiny = info.max, info.smallest_normal
+    subnormal = tiny / 8  # a denormal of every dtype here
+    int_dtype = torch.int32 if dtype == torch.float32 else torch.int16
+    below = (torch.tensor(top, dtype=dtype).view(int_dtype) - 1).view(dtype).item()  # max's lower neighbour
+    generator = torch.Generator().manual_seed(2)
+    g = group_size
+
+    def pattern(*values: float) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float64).repeat(g)[:g]
+
+    rows = [
+        pattern(top),
+        pattern(-top),
+        pattern(top, -top),
+        pattern(top, 0.0),
+        pattern(-top, 0.0),
+        pattern(below),
+        pattern(below, -below),
+        torch.linspace(0.97, 1.0, g, dtype=torch.float64) * top,  # the top 3% of the range
+        -torch.linspace(0.97, 1.0, g, dtype=torch.float64) * top,
+        (torch.rand(g, generator=generator, dtype=torch.float64) * 2 - 1) * top,
+        torch.randn(g, generator=generator, dtype=torch.float64) * subnormal,  # denormals only
+        pattern(subnormal, -subnormal, 0.0, tiny),
+        pattern(top, tiny, -tiny, 0.0, 1.0, -top / 3, 1e-3, subnormal),  # huge and tiny mixed
+        pattern(-top, subnormal, top / 2, -tiny),
+    ]
+    if dtype == torch.float32:
+        rows += [
+            pattern(-1.7e38, 1.7e38),  # max - min just below FLT_MAX; code * scale overflows at 4 and 2 bits
+            pattern(-3e38, 3e38),  # max - min overflows float32
+            pattern(-3.4e38),  # below bfloat16's lowest: the offset saturates
+            torch.linspace(-top, -3.39e38, g, dtype=torch.float64),
+            pattern(3.3e38, -1.0),
+        ]
+    if dtype == torch.float16:
+        rows += [pattern(0.0, 65472.0), pattern(0.0, 64000.0), pattern(64000.0), pattern(-65504.0, 63488.0)]
+    # float64 -> dtype rounds to nearest: values up to max stay finite
+    return torch.stack(rows).to(dtype)
+
+
 def half_ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Half the spacing of dtype's numbers at |values| (float64): the error of rounding into dtype."""
     info = torch.finfo(dtype)
@@ -67,3 +111,44 @@ def assert_bitwise_equal(actual: tuple[torch.Tensor, ...], expected: tuple[torch
         )
         differ = bitwise(a) != bitwise(e)
         assert not differ.any(), f"output {index}: {int(differ.sum())} of {a.numel()} entries differ"
+
+
+FP32_EPS = torch.finfo(torch.float32).eps
+BF16_LOWEST = torch.finfo(torch.bfloat16).min
+
+
+def steps_and_evaluation_error(stored, bits, group_size, numel):
+    """Per element: the quantization step, and the float32 error of the arithmetic around it."""
+    _, scale, offset = (t.cpu() for t in stored)
+    step = per_element(scale, group_size, numel)
+    # quantize and decode run a handful of float32 operations on values up to |offset| + max_code * step
+    evaluation = 4 * FP32_EPS * (per_element(offset, group_size, numel).abs() + ((1 << bits) - 1) * step)
+    return step, evaluation
+
+
+def below_saturated_offset(x: torch.Tensor, stored, group_size: int) -> torch.Tensor:
+    """The documented exception to the error bound: float32 values below bfloat16's lowest, whose group
+    offset saturates there, decode to it. Per element: how far below the saturated offset x is (else 0)."""
+    offset = per_element(stored[2].cpu(), group_size, x.numel())
+    x64 = x.cpu().reshape(-1).double()
+    return torch.where(offset == BF16_LOWEST, (offset - x64).clamp(min=0), 0.0)
+
+
+def assert_within_half_step(x, stored, y, bits, group_size):
+    """|x - y| <= scale/2, plus float32 evaluation error and the rounding of y into its dtype."""
+    step, evaluation = steps_and_evaluation_error(stored, bits, group_size, x.numel())
+    y64 = y.cpu().reshape(-1).double()
+    error = (x.cpu().reshape(-1).double() - y64).abs()
+    bound = step / 2 + evaluation + half_ulp(y64, y.dtype) + below_saturated_offset(x, stored, group_size)
+    worst = int(torch.argmax(error - bound))
+    assert (error <= bound).all(), f"element {worst}: error {error[worst]:.3g} > bound {bound[worst]:.3g}"
+
+
+def assert_fp8_within_half_step(x, scale, y, group_size):
+    """|x - y| <= half an e4m3 step of x / scale, times scale, plus the rounding of y into its dtype."""
+    step_scale = scale.cpu().double().repeat_interleave(group_size)[: x.numel()]
+    x64, y64 = x.cpu().reshape(-1).double(), y.cpu().reshape(-1).double()
+    error = (x64 - y64).abs()
+    bound = half_ulp(x64 / step_scale, torch.float8_e4m3fn) * step_scale + half_ulp(y64, y.dtype)
+    worst = int(torch.argmax(error - bound))
+    assert (error <= bound).all(), f"element {worst}: error {error[worst]:.3g} > bound {bound[worst]:.3g}"

@@ -11,7 +11,7 @@ from tests.ops.quant_helpers import (
     DTYPES,
     SHAPES,
     assert_bitwise_equal,
-    half_ulp,
+    assert_fp8_within_half_step,
     sample,
     stored_bits_per_element,
 )
@@ -71,10 +71,7 @@ def test_each_value_rounds_once_to_the_nearest_e4m3_step(dtype, device):
     # the scale is the smallest power of two that brings the group's max |x| to <= 448
     amax = torch.nn.functional.pad(x.cpu().float().abs(), (0, (-x.numel()) % group_size)).view(-1, group_size).amax(1)
     assert ((amax / scale.float() <= E4M3_MAX) & (amax / scale.float() > E4M3_MAX / 2)).all()
-    step_scale = scale.cpu().double().repeat_interleave(group_size)[: x.numel()]
-    x64, y64 = x.cpu().double(), y.cpu().double()
-    bound = half_ulp(x64 / step_scale, torch.float8_e4m3fn) * step_scale + half_ulp(y64, dtype)
-    assert ((x64 - y64).abs() <= bound).all()
+    assert_fp8_within_half_step(x, scale, y, group_size)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -116,7 +113,9 @@ def test_bad_inputs_name_the_argument_and_what_is_valid():
     x = torch.randn(64)
     with pytest.raises(RuntimeError, match="x has dtype Double; supported: float32, float16, bfloat16"):
         quantize_fp8_per_group(x.double())
-    with pytest.raises(RuntimeError, match="group_size must be positive, got 0"):
+    with pytest.raises(
+        RuntimeError, match="group_size must be positive and at most 2147483647 \\(2\\^31 - 1\\), got 0"
+    ):
         quantize_fp8_per_group(x, 0)
     codes, scale = quantize_fp8_per_group(x, 16)
     with pytest.raises(RuntimeError, match="dtype Long is not supported; supported: float32"):
@@ -127,7 +126,7 @@ def test_bad_inputs_name_the_argument_and_what_is_valid():
         dequantize_fp8_per_group(codes, scale, 16, torch.float32, [65])
     with pytest.raises(RuntimeError, match="scale must be 1-D with one entry per group \\(2\\)"):
         dequantize_fp8_per_group(codes, scale, 32, torch.float32, [64])
-    with pytest.raises(RuntimeError, match="group_size must be positive, got -1"):
+    with pytest.raises(RuntimeError, match="group_size must be positive and at most .*, got -1"):
         dequantize_fp8_per_group(codes, scale, -1, torch.float32, [64])
 
 

@@ -13,40 +13,20 @@ from tests.ops.quant_helpers import (
     DTYPES,
     SHAPES,
     assert_bitwise_equal,
-    half_ulp,
+    assert_within_half_step,
     hard_groups,
-    per_element,
     sample,
+    steps_and_evaluation_error,
     stored_bits_per_element,
 )
 
 BITS = [8, 4, 2]
 GROUP_SIZES = [4, 36, 64, 128]  # multiples of 4, valid for every bit width; 36 is no power of two
-FP32_EPS = torch.finfo(torch.float32).eps
 
 
 def round_trip(x, bits, group_size, stochastic=False, seed=0, dtype=None):
     stored = quantize_per_group(x, bits, group_size, stochastic, seed)
     return stored, dequantize_per_group(*stored, bits, group_size, dtype or x.dtype, x.shape)
-
-
-def steps_and_evaluation_error(stored, bits, group_size, numel):
-    """Per element: the quantization step, and the float32 error of the arithmetic around it."""
-    _, scale, offset = (t.cpu() for t in stored)
-    step = per_element(scale, group_size, numel)
-    # quantize and decode run a handful of float32 operations on values up to |offset| + max_code * step
-    evaluation = 4 * FP32_EPS * (per_element(offset, group_size, numel).abs() + ((1 << bits) - 1) * step)
-    return step, evaluation
-
-
-def assert_within_half_step(x, stored, y, bits, group_size):
-    """|x - y| <= scale/2, plus float32 evaluation error and the rounding of y into its dtype."""
-    step, evaluation = steps_and_evaluation_error(stored, bits, group_size, x.numel())
-    y64 = y.cpu().reshape(-1).double()
-    error = (x.cpu().reshape(-1).double() - y64).abs()
-    bound = step / 2 + evaluation + half_ulp(y64, y.dtype)
-    worst = int(torch.argmax(error - bound))
-    assert (error <= bound).all(), f"element {worst}: error {error[worst]:.3g} > bound {bound[worst]:.3g}"
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -123,15 +103,18 @@ def test_nan_and_inf_turn_their_whole_group_into_nan(bits, dtype, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_groups_beyond_the_scale_format_decode_to_nan_not_garbage(device):
-    below_bf16 = torch.full((64,), -3.4e38)  # finite in float32, no bfloat16 offset <= it exists
-    range_overflows = torch.tensor([-3e38, 3e38]).repeat(32)  # max - min overflows float32
-    for x in (below_bf16, range_overflows):
-        _, y = round_trip(x.to(device), 8, 64)
-        assert y.isnan().all()
-    above_bf16 = torch.full((64,), 3.4e38, device=device)  # the offset rounds down to bfloat16's max: fine
-    stored, y = round_trip(above_bf16, 8, 64)
-    assert_within_half_step(above_bf16, stored, y, 8, 64)
+@pytest.mark.parametrize("bits", BITS)
+def test_groups_beyond_the_scale_format_saturate_and_decode_finite(bits, device):
+    # finite in float32, but no bfloat16 offset <= it exists: the offset saturates at bfloat16's lowest
+    below_bf16 = torch.full((64,), -3.4e38, device=device)
+    stored, y = round_trip(below_bf16, bits, 64)
+    assert float(stored[2]) == torch.finfo(torch.bfloat16).min
+    assert torch.equal(y.cpu(), torch.full((64,), torch.finfo(torch.bfloat16).min))
+    # max - min overflows float32 (the step is taken from halves); above bfloat16's max
+    for x in (torch.tensor([-3e38, 3e38]).repeat(32), torch.full((64,), 3.4e38)):
+        stored, y = round_trip(x.to(device), bits, 64)
+        assert torch.isfinite(y).all()
+        assert_within_half_step(x, stored, y, bits, 64)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -173,6 +156,10 @@ def test_bad_inputs_name_the_argument_and_what_is_valid():
         quantize_per_group(x, 4, 0)
     with pytest.raises(RuntimeError, match="group_size must be a positive multiple of 4 for bits=2.*got 6"):
         quantize_per_group(x, 2, 6)
+    with pytest.raises(
+        RuntimeError, match="group_size must be .* and at most 2147483647 \\(2\\^31 - 1\\), got 2147483648"
+    ):
+        quantize_per_group(x, 8, 2**31)
 
     codes, scale, offset = quantize_per_group(x, 4, 16)
     with pytest.raises(RuntimeError, match="dtype Int is not supported; supported: float32"):
