@@ -5,7 +5,6 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 export CUDA_HOME ?= $(if $(wildcard /usr/local/cuda/bin/nvcc),/usr/local/cuda,)
-export TORCH_CUDA_ARCH_LIST ?= 9.0
 
 .PHONY: test bench build info lint clean
 

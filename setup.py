@@ -3,7 +3,8 @@
 Environment switches:
   FASTCKPT_CUDA=1   force CUDA kernels (fail loudly if they cannot be built)
   FASTCKPT_CUDA=0   skip CUDA kernels
-  TORCH_CUDA_ARCH_LIST   GPU architectures (default "9.0")
+  TORCH_CUDA_ARCH_LIST   GPU architectures (default "8.0;8.6;8.9;9.0+PTX": A100, A10/RTX 30, L4/RTX 40, H100/H200,
+                         and PTX that newer GPUs compile at load)
   MAX_JOBS          parallel compile jobs (read by torch's ninja builder)
 """
 
@@ -17,7 +18,8 @@ from setuptools import find_packages, setup
 # torch guesses CUDA_HOME from the nvcc on PATH; a wrapper script there makes it guess wrong.
 if "CUDA_HOME" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
-os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
+DEFAULT_CUDA_ARCHS = "8.0;8.6;8.9;9.0+PTX"
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
 
 import torch  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402

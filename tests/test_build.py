@@ -118,3 +118,19 @@ def test_unknown_pytest_markers_are_errors(tmp_path):
         text=True,
     )
     assert result.returncode != 0 and "'cdua' not found in `markers`" in result.stdout + result.stderr
+
+
+def test_default_cuda_architectures_cover_ampere_to_hopper_with_ptx():
+    """Built for 9.0 only, the kernels would not load on an A100, L4 or RTX card."""
+    import ast
+
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    (default,) = [
+        node.value.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "DEFAULT_CUDA_ARCHS" for t in node.targets)
+    ]
+    archs = default.replace(" ", ";").split(";")
+    assert {"8.0", "8.6", "8.9"} <= {a.removesuffix("+PTX") for a in archs}
+    assert archs[-1].endswith("+PTX") and archs[-1].removesuffix("+PTX") == max(a.removesuffix("+PTX") for a in archs)
+    assert "TORCH_CUDA_ARCH_LIST" not in (ROOT / "Makefile").read_text()  # the default reaches `make test` users
