@@ -91,6 +91,7 @@ def _run(
             )
         return _run_stored(function, args, kwargs, resolved)
     input_hooks = _input_hooks(resolved)
+    recompute_storage = _recompute_storage(resolved)
     if options.use_reentrant:
         if kwargs:
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
@@ -99,17 +100,44 @@ def _run(
                 "Passing `context_fn`, `debug`, or `respect_saved_tensors_hooks` is only supported when "
                 "use_reentrant=False."
             )
+        if recompute_storage is not None:
+            function = _recompute_through(function, recompute_storage)
         return checkpoint_reentrant(
             function, args, preserve_rng_state=options.preserve_rng_state, input_hooks=input_hooks
         )
-    return checkpoint_non_reentrant(function, args, kwargs, options, input_hooks=input_hooks)
+    return checkpoint_non_reentrant(
+        function, args, kwargs, options, input_hooks=input_hooks, recompute_storage=recompute_storage
+    )
 
 
 def _input_hooks(policy: Policy) -> Callable[[], Any] | None:
     """Saved-tensor hooks through which a recompute policy stores the segment's inputs (None: plainly)."""
-    if policy.is_stock:
+    if not policy.stores_inputs:
         return None
     return SegmentStorage(policy).hooks
+
+
+def _recompute_storage(policy: Policy) -> Callable[[], SegmentStorage] | None:
+    """A factory of the storage that keeps one recomputation's saved tensors (None: plain, as stock)."""
+    storage_policy = policy.recomputed_storage()
+    if storage_policy is None:
+        return None
+    label = f"{policy} (recomputed)"
+    return lambda: SegmentStorage(storage_policy, label=label)
+
+
+def _recompute_through(function: Callable[..., Any], storage: Callable[[], SegmentStorage]) -> Callable[..., Any]:
+    """`function`, saving through a fresh `storage()` when it runs with grad: the reentrant engine runs the
+    forward without grad (nothing saved) and the recomputation with it, whose saved tensors then go through
+    the storage until the engine's inner backward uses them."""
+
+    def run(*args: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return function(*args)
+        with storage().hooks():
+            return function(*args)
+
+    return run
 
 
 def _run_stored(function: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy) -> Any:

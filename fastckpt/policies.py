@@ -11,6 +11,11 @@ import torch
 
 CODECS = ("int8", "fp8", "int4", "int2")
 TOKENS = ("recompute", "save", "offload", *CODECS)
+# "recompute:<codec>": recompute, and keep the tensors the recomputation produces through <codec> until
+# backward uses them. The codec after the colon binds to the recomputation only; a bare codec token keeps
+# binding to what the segment stores (its inputs under recompute), so the two never read alike.
+RECOMPUTE_TOKENS = tuple(f"recompute:{codec}" for codec in CODECS)
+_INTEGER_CODECS = ("int8", "int4", "int2")
 MAX_GROUP_SIZE = 2**31 - 1  # a group never spans more than the tensor; the kernels index groups with int32
 
 
@@ -25,6 +30,9 @@ class Policy:
     recompute: re-run the segment in backward (stock checkpoint); then only the segment's inputs
         go through `codec`/`offload`. Without it, every tensor the segment saves for backward does.
     codec: one of CODECS, or None for exact storage.
+    recompute_codec: with recompute, one of CODECS through which the tensors the recomputation saves are
+        kept until backward uses them (each decoded when its node runs, then freed), so the recomputed
+        segment never holds all its activations in full precision; None keeps them plain (stock).
     offload: keep stored tensors in host memory until backward.
     group_size (None: the codec's default), stochastic_rounding, min_tensor_bytes, rule (tensor -> Policy,
         policy string or None, a per-tensor override): tuning of the storage engine.
@@ -37,6 +45,7 @@ class Policy:
     stochastic_rounding: bool = False
     min_tensor_bytes: int = 4096
     rule: Callable[[torch.Tensor], Policy | str | None] | None = None
+    recompute_codec: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("recompute", "offload", "stochastic_rounding"):
@@ -44,9 +53,26 @@ class Policy:
                 raise TypeError(f"Policy: {name} must be True or False, got {getattr(self, name)!r}")
         if self.codec is not None and self.codec not in CODECS:
             raise ValueError(f"Policy: codec={self.codec!r} is not one of {list(CODECS)} (or None for exact storage)")
-        if self.stochastic_rounding and self.codec not in ("int8", "int4", "int2"):
+        if self.recompute_codec is not None:
+            if self.recompute_codec not in CODECS:
+                raise ValueError(
+                    f"Policy: recompute_codec={self.recompute_codec!r} is not one of {list(CODECS)} (or None to keep "
+                    "recomputed tensors plain)"
+                )
+            if not self.recompute:
+                raise ValueError(
+                    f"Policy: recompute_codec={self.recompute_codec!r} applies to recomputed tensors; it needs "
+                    "recompute=True"
+                )
+        if (
+            self.stochastic_rounding
+            and self.codec not in _INTEGER_CODECS
+            and self.recompute_codec not in _INTEGER_CODECS
+        ):
             raise ValueError(
-                f"Policy: stochastic_rounding applies to the int8/int4/int2 codecs, not to codec={self.codec!r}"
+                "Policy: stochastic_rounding applies to the int8/int4/int2 codecs, not to "
+                f"codec={self.codec!r}"
+                + (f" / recompute_codec={self.recompute_codec!r}" if self.recompute_codec else "")
             )
         if self.group_size is not None and not (_is_int(self.group_size) and 1 <= self.group_size <= MAX_GROUP_SIZE):
             raise ValueError(
@@ -76,35 +102,70 @@ class Policy:
 
     @classmethod
     def parse(cls, spec: str | Policy) -> Policy:
-        """Parse a '+'-joined policy string such as 'int4+offload'; a Policy passes through."""
+        """Parse a '+'-joined policy string such as 'int4+offload' or 'recompute:int4+int8'; a Policy passes through."""
         if isinstance(spec, Policy):
             return spec
         if not isinstance(spec, str):
             raise TypeError(f"policy must be a string such as 'int4+offload' or a fastckpt.Policy, got {type(spec)}")
         tokens = [t.strip() for t in spec.split("+")]
+        valid = [*TOKENS, *RECOMPUTE_TOKENS]
         for token in tokens:
-            if token not in TOKENS:
-                raise ValueError(f"policy {spec!r}: unknown token {token!r}; valid tokens are {list(TOKENS)}")
+            if token in valid:
+                continue
+            head, colon, tail = token.partition(":")
+            if colon and head.strip() == "recompute":
+                raise ValueError(
+                    f"policy {spec!r}: unknown codec {tail.strip()!r} in token {token!r}; 'recompute:' takes one of "
+                    f"{list(CODECS)}; valid tokens are {valid}"
+                )
+            raise ValueError(f"policy {spec!r}: unknown token {token!r}; valid tokens are {valid}")
         if len(set(tokens)) != len(tokens):
             raise ValueError(f"policy {spec!r}: a token is repeated")
+        recompute_tokens = [t for t in tokens if t == "recompute" or t in RECOMPUTE_TOKENS]
+        if len(recompute_tokens) > 1:
+            raise ValueError(
+                f"policy {spec!r}: {recompute_tokens} both ask for recompute; use one ('recompute:<codec>' already "
+                "means recompute)"
+            )
+        recompute_codec = (recompute_tokens[0].partition(":")[2] or None) if recompute_tokens else None
         codecs = [t for t in tokens if t in CODECS]
         if len(codecs) > 1:
             raise ValueError(f"policy {spec!r}: at most one codec of {list(CODECS)}, got {codecs}")
         if "save" in tokens and len(tokens) > 1:
             raise ValueError(f"policy {spec!r}: 'save' (plain storage) cannot be combined with other tokens")
         return cls(
-            recompute="recompute" in tokens,
+            recompute=bool(recompute_tokens),
             codec=codecs[0] if codecs else None,
             offload="offload" in tokens,
+            recompute_codec=recompute_codec,
         )
 
     @property
     def is_stock(self) -> bool:
         """True for plain recompute, the behaviour of torch.utils.checkpoint."""
-        return self.recompute and self.codec is None and not self.offload
+        return self.recompute and self.codec is None and not self.offload and self.recompute_codec is None
+
+    @property
+    def stores_inputs(self) -> bool:
+        """True when a recompute policy keeps the segment's inputs through its codec or offload."""
+        return self.recompute and (self.codec is not None or self.offload)
+
+    def recomputed_storage(self) -> Policy | None:
+        """The storage policy of the tensors a recomputation saves (None: kept plain, as stock does)."""
+        if self.recompute_codec is None:
+            return None
+        return Policy(
+            recompute=False,
+            codec=self.recompute_codec,
+            group_size=self.group_size,
+            stochastic_rounding=self.stochastic_rounding and self.recompute_codec in _INTEGER_CODECS,
+            min_tensor_bytes=self.min_tensor_bytes,
+            rule=self.rule,
+        )
 
     def __str__(self) -> str:
-        tokens = (["recompute"] if self.recompute else []) + ([self.codec] if self.codec else [])
+        head = f"recompute:{self.recompute_codec}" if self.recompute_codec else "recompute"
+        tokens = ([head] if self.recompute else []) + ([self.codec] if self.codec else [])
         tokens += ["offload"] if self.offload else []
         return "+".join(tokens) or "save"
 

@@ -4,6 +4,11 @@ Forward runs under pack hooks that replace every saved tensor by a small `_Holde
 unpack in a backward (one graph task) re-runs the segment under recompute hooks that fill the
 holders, in save order, with the recomputed tensors; each is handed out once and then dropped.
 With early stop the recompute is cut off as soon as every live holder is filled.
+
+Under a policy with a recompute codec ('recompute:int4'), the recompute hooks store each recomputed
+tensor through a SegmentStorage (compressed, or plain where keep_plain_reason says so) and the holder
+gets it decoded when its node unpacks it: the recomputed segment's activations are never all live in
+full precision at once.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from fastckpt.engine.debug import OpTrace, UnpackErrorCallback
 from fastckpt.engine.flat_tree import FlatTree
 from fastckpt.engine.options import CheckpointOptions
 from fastckpt.engine.replay import ForwardState
+from fastckpt.storage.packer import SegmentStorage, _Stored
 
 DETERMINISM_CHECKS: dict[str, Callable[[torch.Tensor], Any]] = {
     "default": lambda x: {"shape": x.shape, "dtype": x.dtype, "device": x.device},
@@ -44,6 +50,20 @@ class _Holder:
 
     def __init__(self) -> None:
         self.handles: dict[Any, _Handle | None] = {}
+
+
+class _StoredRecomputed:
+    """A recomputed tensor kept by a recompute codec, with the metadata the determinism check compares."""
+
+    __slots__ = ("storage", "stored", "metadata")
+
+    def __init__(self, storage: SegmentStorage, stored: _Stored, metadata: Any) -> None:
+        self.storage = storage
+        self.stored = stored
+        self.metadata = metadata
+
+    def value(self) -> torch.Tensor:
+        return self.storage.unpack(self.stored)
 
 
 class _StopRecompute(Exception):
@@ -70,8 +90,16 @@ class _SaveInputs(torch.autograd.Function):
 class _Frame:
     """Everything one checkpointed call needs to recompute, per graph task."""
 
-    def __init__(self, recompute_fn: Callable[..., Any], early_stop: bool, metadata_fn, on_unpack_error) -> None:
+    def __init__(
+        self,
+        recompute_fn: Callable[..., Any],
+        early_stop: bool,
+        metadata_fn,
+        on_unpack_error,
+        recompute_storage: Callable[[], SegmentStorage] | None = None,
+    ) -> None:
         self.recompute_fn = recompute_fn
+        self.recompute_storage = recompute_storage  # a new storage per recomputation, or None: plain
         self.early_stop = early_stop
         self.metadata_fn = metadata_fn
         self.on_unpack_error: UnpackErrorCallback | None = on_unpack_error
@@ -112,7 +140,11 @@ class _Frame:
             holder = weak_holder()
             if holder is None:
                 continue
-            recomputed = self.metadata_fn(self.recomputed[gid][holder.handles[gid]])
+            value = self.recomputed[gid][holder.handles[gid]]
+            if isinstance(value, _StoredRecomputed):
+                recomputed = value.metadata
+            else:
+                recomputed = self.metadata_fn(value)
             if recomputed != self.forward_metadata[index]:
                 mismatches.append(
                     f"tensor at position {index}:\nsaved metadata: {self.forward_metadata[index]}\n"
@@ -183,8 +215,9 @@ def _forward_hooks(frame: _Frame) -> _InternalHooks:
         gid = _graph_task_id()
         if not frame.is_recomputed[gid]:
             args, kwargs = frame.inputs()
+            storage = frame.recompute_storage() if frame.recompute_storage is not None else None
             try:
-                with _recompute_hooks(frame, gid), torch.enable_grad():
+                with _recompute_hooks(frame, gid, storage), torch.enable_grad():
                     frame.recompute_fn(*args, **kwargs)
             except _StopRecompute:
                 pass
@@ -198,7 +231,8 @@ def _forward_hooks(frame: _Frame) -> _InternalHooks:
                 "Otherwise please open an issue with details on your use case."
             )
         holder.handles[gid] = None
-        return frame.recomputed[gid].pop(handle)  # free on use
+        value = frame.recomputed[gid].pop(handle)  # free on use
+        return value.value() if isinstance(value, _StoredRecomputed) else value
 
     if frame.on_unpack_error is not None:
         plain_unpack = unpack
@@ -212,9 +246,11 @@ def _forward_hooks(frame: _Frame) -> _InternalHooks:
     return _InternalHooks(pack, unpack)
 
 
-def _recompute_hooks(frame: _Frame, gid: Any) -> _InternalHooks:
-    def pack(x: torch.Tensor) -> torch.Tensor:
-        x = x.detach() if x.requires_grad else x  # the recompute graph itself is never differentiated
+def _recompute_hooks(frame: _Frame, gid: Any, storage: SegmentStorage | None = None) -> _InternalHooks:
+    """Hooks that hand each tensor the recomputation saves to its holder (through `storage` when given)."""
+
+    def pack(saved: torch.Tensor) -> Any:
+        x = saved.detach() if saved.requires_grad else saved  # the recompute graph itself is never differentiated
         index = frame.recompute_count[gid]
         frame.recompute_count[gid] += 1
         if index >= len(frame.weak_holders):
@@ -226,15 +262,29 @@ def _recompute_hooks(frame: _Frame, gid: Any) -> _InternalHooks:
                 f"forward pass.\n{_DEBUG_TIP}"
             )
         holder = frame.weak_holders[index]()
+        packed: Any = x
         if holder is not None:  # None: its graph was already freed, nobody will unpack it
             handle = _Handle()
             holder.handles[gid] = handle
-            frame.recomputed[gid][handle] = x
+            if storage is None:
+                frame.recomputed[gid][handle] = x
+            else:
+                with torch.no_grad():
+                    metadata = frame.metadata_fn(x)
+                packed = storage.pack(saved)  # the saved tensor itself: its identity dedups repeated saves
+                frame.recomputed[gid][handle] = _StoredRecomputed(storage, packed, metadata)
         if frame.early_stop and frame.recompute_count[gid] == len(frame.weak_holders):
             raise _StopRecompute
-        return x
+        # With a storage, the recompute graph keeps the stored form too: returning x would keep every
+        # full-precision activation alive for as long as the recomputation runs (its graph holds them).
+        return packed
 
-    return _InternalHooks(pack, lambda x: x)
+    def unpack(packed: Any) -> torch.Tensor:
+        # Reached only by a backward run inside the recomputation itself (torch.autograd.grad in the
+        # segment): it gets the stored tensors decoded.
+        return storage.unpack(packed) if isinstance(packed, _Stored) else packed
+
+    return _InternalHooks(pack, unpack)
 
 
 def _resolve_debug(debug: bool) -> bool:
@@ -253,11 +303,13 @@ def checkpoint_non_reentrant(
     kwargs: dict,
     options: CheckpointOptions,
     input_hooks: Callable[[], Any] | None = None,
+    recompute_storage: Callable[[], SegmentStorage] | None = None,
 ) -> Any:
     """Run `function` now, keep only its inputs, and recompute it in backward.
 
     `input_hooks`, when given, returns a saved-tensor-hooks context through which the inputs are
-    stored (a storage policy such as recompute+offload).
+    stored (a storage policy such as recompute+offload). `recompute_storage`, when given, returns a
+    fresh SegmentStorage per recomputation, through which the recomputed tensors are kept until used.
     """
     context_fn, on_unpack_error = options.context_fn, None
     if _resolve_debug(options.debug):
@@ -281,7 +333,9 @@ def checkpoint_non_reentrant(
         with state.replay(), recompute_context:
             function(*re_args, **re_kwargs)
 
-    frame = _Frame(recompute_fn, _resolve_early_stop(options.early_stop), metadata_fn, on_unpack_error)
+    frame = _Frame(
+        recompute_fn, _resolve_early_stop(options.early_stop), metadata_fn, on_unpack_error, recompute_storage
+    )
     with input_hooks() if input_hooks is not None else contextlib.nullcontext():
         frame.save_inputs(inputs)
 

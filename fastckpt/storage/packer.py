@@ -77,9 +77,11 @@ class _Stored:
 class SegmentStorage:
     """pack/unpack for one checkpointed call; also used for the inputs of a recompute policy."""
 
-    def __init__(self, policy: Policy) -> None:
+    def __init__(self, policy: Policy, label: str | None = None) -> None:
         self.policy = policy
-        self.record = SegmentRecord(policy=str(policy))
+        # `label` names the record in track() when the policy alone would not say what is stored
+        # (e.g. the recomputed tensors of a 'recompute:int4' segment are stored with plain 'int4').
+        self.record = SegmentRecord(policy=label or str(policy))
         # Weak on both sides: autograd releases each saved tensor right after its node ran, and so must we.
         self._stored_by_key: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         report = current_report()
