@@ -1,6 +1,10 @@
 """`python -m benchmarks [checkpoint|ops|train] [--device cpu|cuda] [--out DIR] [--quick]`.
 
-checkpoint (default): fastckpt vs stock torch.utils.checkpoint on the embedded GPT-2-style workload.
+checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
+  reentrant, selective), torch's save_on_cpu and DeepSpeed's checkpoint, on the seed CNN, GPT-2-style
+  stacks (short and 2048-token context) and a small Hugging Face Llama; a table, a CSV and a plot per
+  workload in --out (default bench-results/<timestamp>/). --workloads picks some, --smoke runs tiny
+  shapes once (checks that every row runs; its numbers mean nothing).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).
 train: final loss of a small GPT trained on real text, per storage policy, against plain training.
 """
@@ -14,19 +18,65 @@ import os
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the CPU memory profiler quiet
 import torch  # noqa: E402
 
+from benchmarks.workloads import WORKLOAD_NAMES  # noqa: E402
+
 MODES = {"checkpoint": "benchmarks.checkpoint", "ops": "benchmarks.ops", "train": "benchmarks.train"}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+def _workload_list(text: str) -> list[str]:
+    """argparse type of --workloads: comma-separated names, each one of WORKLOAD_NAMES."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"no workload named; valid: {', '.join(WORKLOAD_NAMES)}")
+    unknown = [name for name in names if name not in WORKLOAD_NAMES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown workload {', '.join(map(repr, unknown))}; valid: {', '.join(WORKLOAD_NAMES)}"
+        )
+    return names
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__.split("\n\n", 1)[0],
+        epilog=__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("mode", nargs="?", default="checkpoint", choices=sorted(MODES))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--out", default=None, help="folder for CSV results")
-    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="results folder (checkpoint: default bench-results/<timestamp>)")
+    parser.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds")
+    parser.add_argument(
+        "--workloads",
+        type=_workload_list,
+        action="extend",
+        metavar="NAME[,NAME...]",
+        help=f"checkpoint only: which workloads, of {', '.join(WORKLOAD_NAMES)} (default: all)",
+    )
+    parser.add_argument("--smoke", action="store_true", help="checkpoint only: tiny shapes, one round")
+    args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
-    importlib.import_module(MODES[args.mode]).main(device=args.device, out=args.out, quick=args.quick)
+    if args.mode != "checkpoint" and (args.workloads or args.smoke):
+        parser.error(f"--workloads and --smoke apply to the checkpoint benchmark, not to {args.mode!r}")
+    if args.quick and args.smoke:
+        parser.error("--quick and --smoke exclude each other (--smoke is the smaller)")
+    if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
+        parser.error(f"--out {args.out!r} exists and is not a folder")
+    if args.workloads:
+        args.workloads = list(dict.fromkeys(args.workloads))  # each once, in the order given
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    module = importlib.import_module(MODES[args.mode])
+    if args.mode == "checkpoint":
+        return module.main(
+            device=args.device, out=args.out, quick=args.quick, selected=args.workloads, smoke=args.smoke
+        )
+    return module.main(device=args.device, out=args.out, quick=args.quick)
 
 
 if __name__ == "__main__":

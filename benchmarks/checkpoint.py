@@ -1,13 +1,27 @@
-"""The main benchmark: fastckpt.checkpoint vs stock torch.utils.checkpoint on a GPT-2-style stack.
+"""The main benchmark: fastckpt's policies next to every alternative a user has today, on four workloads.
 
-Every configuration runs in the same process, interleaved; times are medians after warm-up and
-reported as ratios to plain training and to stock checkpoint in the same mode. Each configuration
-also reports its peak memory, the stored bits per saved element (fastckpt.track) and the largest
-relative L2 gradient error over the parameters, against plain training from the same seed.
+Rows (configurations), all measured in the same process on the same weights and batch:
+plain (no checkpointing); torch.utils.checkpoint non-reentrant and reentrant; torch selective activation
+checkpointing (matmul, convolution and attention outputs saved, the rest recomputed); torch
+`save_on_cpu` around plain training (every saved tensor copied to host memory); DeepSpeed's
+`deepspeed.checkpointing.checkpoint` when installed; then fastckpt's policies. More rows (a planner's,
+say) come from the providers in `EXTRA_ROWS`.
+
+Per workload, every configuration first runs one trial step (a failure there is reported as a FAILED row
+and the others go on), then warm-up steps, then rounds in which the configurations take turns (so drift
+hits all alike): the step time is the median over the rounds. Last, one step from a fixed seed under
+`fastckpt.track()` and the memory measurement gives the peak memory, the stored bits per saved element
+and the parameter gradients, compared with plain's (largest relative L2 error over the parameters).
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import functools
+import gc
+import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,137 +29,335 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import fastckpt
-from benchmarks.harness import error_line, finish, median_times, peak_bytes
-from benchmarks.workloads import DEFAULT_SHAPES, StackShape, gpt2_input, gpt2_stack
+from benchmarks import report
+from benchmarks.harness import error_line, median_times, peak_bytes, synchronize, write_csv
+from benchmarks.workloads import WORKLOAD_NAMES, Workload, copy_model, transformers_missing, workloads
+
+STOCK = "torch non-reentrant"
+STOCK_REENTRANT = "torch reentrant"
+# (warm-up steps after the trial step, timed rounds) per size; sized with the shapes in workloads.py.
+ROUNDS = {"full": (1, 7), "quick": (0, 3), "smoke": (0, 1)}
+DEFAULT_OUT = "bench-results"
 
 
 @dataclass(frozen=True)
 class Config:
+    """One row. `checkpoint(fn, *args)` runs each segment (torch.utils.checkpoint's signature; None runs
+    the segments plainly); `context()`, when given, is entered around forward and backward."""
+
     name: str
-    run_block: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor]
-    stock: str | None = None  # the stock configuration this one is compared with
-    uses_fastckpt: bool = True
+    checkpoint: Callable | None
+    stock: str | None = STOCK  # the stock row its 'x stock' columns compare with
+    family: str = "fastckpt"  # plot colour: plain, torch, deepspeed, fastckpt, or any other name
+    policy: str | None = None  # a fastckpt policy (the HF workload enables it through integrations.hf)
+    use_reentrant: bool = False
+    context: Callable[[], contextlib.AbstractContextManager] | None = None
 
 
-def _ours(policy: str, use_reentrant: bool = False) -> Callable:
-    return lambda block, x: fastckpt.checkpoint(block, x, use_reentrant=use_reentrant, policy=policy)
+@dataclass(frozen=True)
+class Skipped:
+    """A row that cannot run here (its package is missing), with the reason."""
+
+    name: str
+    reason: str
 
 
-def _torch(use_reentrant: bool) -> Callable:
-    return lambda block, x: torch_checkpoint.checkpoint(block, x, use_reentrant=use_reentrant)
+# Providers of more rows: each is called with (workload, device) and returns Configs (or Skipped).
+EXTRA_ROWS: list[Callable[[Workload, torch.device], list[Config | Skipped]]] = []
 
 
-STOCK = "torch non-reentrant"
+def _fastckpt(policy: str, use_reentrant: bool = False, stock: str = STOCK) -> Config:
+    name = f"fastckpt {policy}" + (" reentrant" if use_reentrant else "")
+    function = functools.partial(fastckpt.checkpoint, policy=policy, use_reentrant=use_reentrant)
+    return Config(name, function, stock, "fastckpt", policy, use_reentrant)
 
 
-def configs(device: torch.device) -> list[Config]:
-    """The configurations measured on `device` (offload only where there is a device to offload from)."""
-    result = [
-        Config("plain", lambda block, x: block(x), uses_fastckpt=False),
-        Config(STOCK, _torch(False), uses_fastckpt=False),
-        Config("torch reentrant", _torch(True), uses_fastckpt=False),
-        Config("fastckpt recompute", _ours("recompute"), STOCK),
-        Config("fastckpt recompute reentrant", _ours("recompute", True), "torch reentrant"),
-        Config("fastckpt save", _ours("save"), STOCK),
+def _selective_ops() -> list:
+    """What torch SAC saves here: the outputs of matmuls, convolutions and fused attention."""
+    names = ["mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu",
+             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+             "_scaled_dot_product_cudnn_attention"]  # fmt: skip
+    return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
+
+
+def _selective_context():
+    return torch_checkpoint.create_selective_checkpoint_contexts(_selective_ops())
+
+
+def _deepspeed(device: torch.device) -> Config | Skipped:
+    name = "deepspeed"
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # else DeepSpeed looks for a GPU accelerator
+    try:
+        from deepspeed import checkpointing  # `import deepspeed.checkpointing` fails: it is an attribute
+    except ImportError as err:
+        return Skipped(name, f"deepspeed not importable ({error_line(err)})")
+    # Unconfigured (no partitioning, no CPU checkpointing, no mpu): its reentrant CheckpointFunction;
+    # it needs no torch.distributed process group for that.
+    return Config(name, checkpointing.checkpoint, STOCK, "deepspeed")
+
+
+def configs(device: torch.device, workload: Workload | None = None) -> list[Config | Skipped]:
+    """The rows measured on `device`: peers first, then fastckpt's policies, then EXTRA_ROWS' rows."""
+    rows: list[Config | Skipped] = [
+        Config("plain", None, None, "plain"),
+        Config(STOCK, functools.partial(torch_checkpoint.checkpoint, use_reentrant=False), None, "torch"),
+        Config(STOCK_REENTRANT, functools.partial(torch_checkpoint.checkpoint, use_reentrant=True), None, "torch"),
+        Config(
+            "torch selective",
+            functools.partial(torch_checkpoint.checkpoint, use_reentrant=False, context_fn=_selective_context),
+            family="torch",
+        ),
+        Config(
+            "torch save_on_cpu",
+            None,
+            family="torch",
+            context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda"),
+        ),
+        _deepspeed(device),
+        _fastckpt("recompute"),
+        _fastckpt("recompute", use_reentrant=True, stock=STOCK_REENTRANT),
     ]
-    policies = ["int8", "fp8", "int4", "int2", "recompute+int8"]
+    policies = ["save", "int8", "fp8", "int4", "int2", "recompute+int8"]
     if device.type == "cuda":
         policies += ["offload", "int4+offload", "recompute+offload"]
-    return result + [Config(f"fastckpt {p}", _ours(p), STOCK) for p in policies]
+    rows += [_fastckpt(p) for p in policies]
+    for provider in EXTRA_ROWS:
+        rows += provider(workload, device)
+    return rows
 
 
-def make_step(blocks: torch.nn.ModuleList, x: torch.Tensor, run_block: Callable) -> Callable[[], None]:
+def make_step(
+    workload: Workload, model: torch.nn.Module, inputs: tuple, config: Config, keep_grads: list | None = None
+) -> Callable[[], None]:
+    """One forward and backward of `config` on `model`; gradients are dropped after (or handed to
+    `keep_grads`, one per parameter, so that they are freed only after a measured step)."""
+    parameters = list(model.parameters())
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+
     def step() -> None:
-        h = x
-        for block in blocks:
-            h = run_block(block, h)
-        h.float().pow(2).mean().backward()
-        blocks.zero_grad(set_to_none=True)
+        with config.context() if config.context else contextlib.nullcontext():
+            workload.loss(model, inputs).backward()
+        if keep_grads is not None:
+            keep_grads.extend(p.grad for p in parameters)
+        model.zero_grad(set_to_none=True)
+        for t in leaves:
+            t.grad = None
 
     return step
 
 
-def gradients(blocks: torch.nn.ModuleList, x: torch.Tensor, run_block: Callable) -> list[torch.Tensor]:
-    """Parameter gradients of one step from a fixed seed (dropout masks equal across configurations)."""
-    blocks.zero_grad(set_to_none=True)
-    torch.manual_seed(1234)
-    h = x
-    for block in blocks:
-        h = run_block(block, h)
-    h.float().pow(2).mean().backward()
-    grads = [p.grad.detach().clone() for p in blocks.parameters()]
-    blocks.zero_grad(set_to_none=True)
-    return grads
+def max_rel_l2(grads: list, reference: list) -> float:
+    """Largest relative L2 error over the parameter gradients (a missing gradient counts as error 1)."""
+    errors = []
+    for g, r in zip(grads, reference, strict=True):
+        if g is None or r is None:
+            errors.append(0.0 if g is None and r is None else 1.0)
+        else:
+            errors.append(((g - r).float().norm() / r.float().norm().clamp_min(1e-30)).item())
+    return max(errors, default=0.0)
 
 
-def max_rel_l2(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    return max(
-        ((g - r).float().norm() / r.float().norm().clamp_min(1e-30)).item()
-        for g, r in zip(grads, reference, strict=True)
-    )
+@dataclass
+class Measured:
+    """One configuration's step time, peak, bits and gradients, or its error."""
+
+    config: Config
+    seconds: float | None = None
+    peak: int | None = None
+    bits: float | None = None
+    grads: list | None = None
+    error: str | None = None
 
 
-def _runnable(
-    candidates: list[Config], blocks: torch.nn.ModuleList, x: torch.Tensor
-) -> tuple[list[Config], dict[str, str]]:
-    """The configurations whose trial step runs, and the error of each fastckpt one that does not.
-
-    A fastckpt configuration that fails (a path run on a device for the first time, say) is reported
-    instead of costing every other number of the run; a failing baseline still stops the benchmark.
-    """
-    runnable, failed = [], {}
+def _trial(
+    candidates: list[Config], make: Callable[[Config], Callable[[], None]], tick=lambda: None
+) -> tuple[dict[str, Callable[[], None]], dict[str, str]]:
+    """Each configuration's step, built and run once (also its first warm-up), and the error of each
+    one that fails: it is reported while the others are still measured."""
+    steps, failed = {}, {}
     for c in candidates:
         try:
-            make_step(blocks, x, c.run_block)()
-            runnable.append(c)
+            step = make(c)
+            step()
+            steps[c.name] = step
         except Exception as err:
-            if not c.uses_fastckpt:
-                raise
             failed[c.name] = error_line(err)
-    return runnable, failed
+        finally:
+            tick()
+    return steps, failed
 
 
-def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
-    """Run every configuration on the default workload of `device`; print the table, write CSV to `out`."""
-    dev = torch.device(device)
-    shape: StackShape = DEFAULT_SHAPES[dev.type]
-    if quick:
-        shape = StackShape(shape.layers // 2, shape.dim, shape.heads, shape.batch // 2, shape.seq)
-    blocks = gpt2_stack(shape, dev)
-    x = gpt2_input(shape, dev).requires_grad_(True)
-    measured, failed = _runnable(configs(dev), blocks, x)
-    steps = {c.name: make_step(blocks, x, c.run_block) for c in measured}
-    warmup, rounds = (2, 5) if quick else (3, 15)
-    times = median_times(steps, dev, warmup, rounds)
-    peaks = {name: peak_bytes(step, dev) for name, step in steps.items()}
-    reference = gradients(blocks, x, measured[0].run_block)
+def measure_workload(
+    workload: Workload, device: torch.device, candidates: list[Config], warmup: int, rounds: int, tick=lambda: None
+) -> list[Measured]:
+    """Measure every configuration on `workload`; returns one Measured per configuration, in order."""
+    base = workload.model(device)
+    inputs = workload.inputs(device)
+    models: dict[str, torch.nn.Module] = {}
+
+    def make(c: Config) -> Callable[[], None]:
+        model = models[c.name] = copy_model(base)
+        workload.prepare(model, c)
+        return make_step(workload, model, inputs, c)
+
+    steps, failed = _trial(candidates, make, tick)
+    times, timing_failed = median_times(steps, device, warmup, rounds, tick)
+    failed.update(timing_failed)
+    results = []
+    for c in candidates:
+        result = Measured(c, seconds=times.get(c.name), error=failed.get(c.name))
+        if result.error is None:
+            grads: list = []
+            step = make_step(workload, models[c.name], inputs, c, keep_grads=grads)
+
+            def seeded(step=step) -> None:
+                torch.manual_seed(1234)  # the same dropout masks in every configuration
+                step()
+
+            try:
+                with fastckpt.track() as tracked:
+                    result.peak = peak_bytes(seeded, device)
+                result.grads = grads
+                result.bits = tracked.bits_per_element if c.family == "fastckpt" and tracked.segments else None
+            except Exception as err:
+                result.error = error_line(err)
+        results.append(result)
+        tick()
+    models.clear()
+    gc.collect()
+    synchronize(device)
+    return results
+
+
+def rows_of(workload: Workload, results: list[Measured]) -> list[dict]:
+    """Table/CSV rows: absolute numbers, ratios to plain and to the stock row, blanks where none apply."""
+    by_name = {r.config.name: r for r in results if r.error is None}
+    plain = by_name.get("plain")
+
+    def ratio(a, b):
+        return a / b if a is not None and b else None
 
     rows = []
-    for c in measured:
-        with fastckpt.track() as report:
-            grads = gradients(blocks, x, c.run_block)
+    for r in results:
+        stock = by_name.get(r.config.stock) if r.config.stock else None
         rows.append(
             {
-                "config": c.name,
-                "median_ms": times[c.name] * 1e3,
-                "x_plain": times[c.name] / times["plain"],
-                "x_stock": times[c.name] / times[c.stock] if c.stock else float("nan"),
-                "peak_MiB": peaks[c.name] / 2**20,
-                "peak_x_stock": peaks[c.name] / peaks[c.stock] if c.stock else float("nan"),
-                "bits_per_element": report.bits_per_element if c.uses_fastckpt else float("nan"),
-                "grad_rel_l2": max_rel_l2(grads, reference),
+                "workload": workload.name,
+                "config": r.config.name,
+                "family": r.config.family,
+                "ms_per_step": r.seconds * 1e3 if r.seconds is not None else None,
+                "x_plain": ratio(r.seconds, plain.seconds) if plain and r.config.name != "plain" else None,
+                "x_stock": ratio(r.seconds, stock.seconds) if stock else None,
+                "peak_MiB": r.peak / 2**20 if r.peak is not None else None,
+                "peak_x_plain": ratio(r.peak, plain.peak) if plain and r.config.name != "plain" else None,
+                "peak_x_stock": ratio(r.peak, stock.peak) if stock else None,
+                "bits_per_element": r.bits,
+                "grad_rel_l2": max_rel_l2(r.grads, plain.grads) if plain and r.grads is not None else None,
+                "stock": r.config.stock if stock else None,
+                "error": r.error,
             }
         )
-    threads = torch.get_num_threads() if dev.type == "cpu" else None
-    print(f"fastckpt {fastckpt.__version__} vs torch {torch.__version__} on {device}", end="")
-    print(f" ({threads} threads)" if threads else f" ({torch.cuda.get_device_name(dev)})")
-    print(f"workload: GPT-2-style stack, {shape}; median of {rounds} interleaved rounds after {warmup} warm-up")
-    print(f"'x stock' compares with torch.utils.checkpoint ({STOCK} unless the name says reentrant)")
-    header = f"{'config':<30}{'ms/step':>9}{'x plain':>9}{'x stock':>9}{'peak MiB':>10}{'peak x stock':>13}"
-    print(header + f"{'bits/elem':>11}{'grad relL2':>12}")
-    for r in rows:
-        print(
-            f"{r['config']:<30}{r['median_ms']:>9.1f}{r['x_plain']:>9.3f}{r['x_stock']:>9.3f}"
-            f"{r['peak_MiB']:>10.1f}{r['peak_x_stock']:>13.3f}{r['bits_per_element']:>11.2f}{r['grad_rel_l2']:>12.2e}"
-        )
-    return finish(rows, failed, 30, out, f"checkpoint_{dev.type}.csv")
+    front = report.pareto(rows)
+    for row in rows:
+        row["pareto"] = row["config"] in front if row["error"] is None else None
+    return rows
+
+
+def _progress(total: int, desc: str):
+    """A tqdm bar on stderr (shown on a terminal only); a no-op when tqdm is missing."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return contextlib.nullcontext(None)
+    bar_format = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}<{remaining}]"
+    return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, disable=None, bar_format=bar_format)
+
+
+def _reuse_freed_host_memory() -> bool:
+    from benchmarks.ops import _reuse_freed_host_memory
+
+    return _reuse_freed_host_memory()
+
+
+def default_out() -> str:
+    return os.path.join(DEFAULT_OUT, datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S"))
+
+
+def main(
+    device: str = "cpu",
+    out: str | None = None,
+    quick: bool = False,
+    selected: list[str] | None = None,
+    smoke: bool = False,
+    tune_malloc: bool = True,
+) -> list[dict]:
+    """Measure the selected workloads (all by default); print the header, a table per workload, write a CSV
+    and a PNG per workload and results.md to `out` (default bench-results/<timestamp>/). Exits with status
+    1 after everything is written if a configuration failed."""
+    dev = torch.device(device)
+    size = "smoke" if smoke else "quick" if quick else "full"
+    selected = list(selected or WORKLOAD_NAMES)
+    unknown = [name for name in selected if name not in WORKLOAD_NAMES]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; valid: {', '.join(WORKLOAD_NAMES)}")
+    out = out or default_out()
+    warmup, rounds = ROUNDS[size]
+    tuned = dev.type == "cpu" and tune_malloc and _reuse_freed_host_memory()
+
+    env = report.environment(dev)
+    method = (
+        "torch.cuda.max_memory_allocated"
+        if dev.type == "cuda"
+        else "replayed torch.profiler allocation records: the most the step had allocated and not freed"
+    )
+    notes = [
+        f"times: median of {rounds} interleaved rounds after {1 + warmup} warm-up step(s) per configuration"
+        + ("; glibc malloc keeps freed memory for reuse (as torch's CUDA caching allocator does)" if tuned else ""),
+        f"peak: {method}",
+        f"'x stock': vs {STOCK} ('fastckpt recompute reentrant': vs {STOCK_REENTRANT}); "
+        "* marks the Pareto front (no other row both faster and smaller)",
+    ]
+    header = [f"{key}: {value}" for key, value in env.items()] + notes
+    print("fastckpt benchmark: activation checkpointing alternatives, step time vs peak memory")
+    print("\n".join("  " + line for line in header))
+    print(f"results folder: {out}", flush=True)
+
+    all_rows: list[dict] = []
+    markdown = ["# fastckpt benchmark", "", *[f"- {line}" for line in header], ""]
+    failures = 0
+    catalogue = workloads(dev, size)
+    for name in selected:
+        workload = catalogue[name]
+        print(f"\n== {name}: {workload.description}", flush=True)
+        if name == "llama" and transformers_missing():
+            print(f"skipped: {transformers_missing()}")
+            continue
+        rows_here = configs(dev, workload)
+        candidates = [c for c in rows_here if isinstance(c, Config)]
+        skipped = [c for c in rows_here if isinstance(c, Skipped)]
+        total = len(candidates) * (2 + warmup + rounds)
+        with _progress(total, f"measuring {name}") as bar:
+            tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
+            results = measure_workload(workload, dev, candidates, warmup, rounds, tick)
+        rows = rows_of(workload, results)
+        print(report.text_table(rows))
+        for s in skipped:
+            print(f"skipped {s.name}: {s.reason}")
+        failures += sum(1 for r in rows if r["error"])
+        all_rows += rows
+        os.makedirs(out, exist_ok=True)
+        write_csv(rows, out, f"{name}.csv", quiet=True)
+        title = f"{name}: {workload.description}"
+        subtitle = f"{env['device']}, torch {torch.__version__}, fastckpt {env['fastckpt']}, {env['date']}"
+        png = report.plot(rows, title, subtitle, os.path.join(out, f"{name}.png"))
+        print(f"wrote {os.path.join(out, name + '.csv')} and {png}", flush=True)
+        markdown += [f"## {name}", "", workload.description, "", report.markdown_table(rows), ""]
+        markdown += [f"Skipped {s.name}: {s.reason}" for s in skipped]
+    if all_rows:
+        with open(os.path.join(out, "results.md"), "w") as f:
+            f.write("\n".join(markdown) + "\n")
+        print(f"\nwrote {os.path.join(out, 'results.md')}")
+    if failures:
+        raise SystemExit(f"{failures} configuration(s) failed; the others are reported above")
+    return all_rows

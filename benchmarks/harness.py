@@ -1,18 +1,27 @@
 """Measuring: median step time over interleaved rounds, and peak memory by an independent method.
 
-GPU peak: torch.cuda.max_memory_allocated after a reset. CPU peak: the allocation records of
-torch.profiler (profile_memory=True) replayed in time order, running maximum of live bytes.
+GPU peak: torch.cuda.max_memory_allocated after a reset, minus what was allocated before the step.
+CPU peak: the allocation records of torch.profiler (profile_memory=True), replayed in time order; see
+`peak_bytes` for the exact definition. The profiler's own C++ log lines (kineto's `USDT: ...
+profiler_start`, allocator warnings) are written to the process's stderr file descriptor: they are
+caught there and dropped, while anything else written meanwhile is passed on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import math
 import os
+import re
 import statistics
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+from torch._C._profiler import _ExtraFields_Allocation as _Allocation
 
 
 def synchronize(device: torch.device) -> None:
@@ -20,25 +29,118 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_times(steps: dict[str, Callable[[], None]], device: torch.device, warmup: int, rounds: int) -> dict:
-    """Median seconds per call for each step; configurations alternate each round so drift hits all alike."""
-    for step in steps.values():
-        for _ in range(warmup):
-            step()
-    synchronize(device)
-    samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
+def median_times(
+    steps: dict[str, Callable[[], None]],
+    device: torch.device,
+    warmup: int,
+    rounds: int,
+    tick: Callable[[], None] = lambda: None,
+) -> tuple[dict[str, float], dict[str, str]]:
+    """Median seconds per call of each step, and the error of each step that raised.
+
+    Configurations alternate within each round, so drift (other processes, clock, memory state) hits
+    all of them alike. A step that raises is dropped from the later rounds and reported; the others
+    go on. `tick` is called after every call (a progress bar).
+    """
+    failed: dict[str, str] = {}
+
+    def call(name: str, step: Callable[[], None]) -> float | None:
+        try:
             synchronize(device)
             start = time.perf_counter()
             step()
             synchronize(device)
-            samples[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in samples.items()}
+            return time.perf_counter() - start
+        except Exception as err:
+            failed[name] = error_line(err)
+            return None
+        finally:
+            tick()
+
+    for name, step in steps.items():
+        for _ in range(warmup):
+            if name in failed:
+                tick()
+            else:
+                call(name, step)
+    samples: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(rounds):
+        for name, step in steps.items():
+            if name in failed:
+                tick()
+                continue
+            seconds = call(name, step)
+            if seconds is not None:
+                samples[name].append(seconds)
+    times = {name: statistics.median(values) for name, values in samples.items() if values and name not in failed}
+    return times, failed
+
+
+# The profiler's own lines on fd 2: a C++ log prefix ("USDT:2026-...", "ERROR:2026-...", "[W1201 ...")
+# mentioning the profiler, kineto, the CPU allocator's profiling or the device query kineto makes.
+_LOG_PREFIX = re.compile(r"^(?:[A-Z]+:\d{4}-\d\d-\d\d |\[[WIEF]\d{4} )")
+_PROFILER_WORDS = re.compile(
+    r"profiler|Profiler|kineto|Kineto|USDT|CPUAllocator|Memory block of unknown size|DeviceProperties|"
+    r"gpuGetDeviceCount|cupti|CUPTI"
+)
+
+
+def is_profiler_noise(line: str) -> bool:
+    """True for a log line that torch.profiler's C++ side writes on starting, stopping or allocating."""
+    return bool(_LOG_PREFIX.match(line)) and bool(_PROFILER_WORDS.search(line))
+
+
+@contextlib.contextmanager
+def quiet_profiler_logs() -> Iterator[None]:
+    """Catch what is written to file descriptor 2 inside the block; afterwards pass on every line but the
+    profiler's own (so a Python warning or a traceback printed meanwhile still shows, just later)."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (an embedded interpreter): nothing to keep quiet
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [
+                line
+                for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                if not is_profiler_noise(line)
+            ]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
+def _cpu_allocations(prof: torch.profiler.profile) -> list[tuple[int, int, int]]:
+    """(time ns, address, bytes; negative for a free) of every CPU allocation record, in time order."""
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        fields = event.extra_fields
+        if isinstance(fields, _Allocation) and fields.device.type == "cpu":
+            events.append((event.start_time_ns, fields.ptr, fields.alloc_size))
+    return sorted(events)
 
 
 def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
-    """Peak bytes allocated during one call of `step`, above what was live before it."""
+    """Peak of the memory one call of `step` allocated above what was live before it.
+
+    CPU: the running maximum, over the step's allocation records in time order, of the bytes that the
+    step allocated and had not yet freed. Frees of blocks allocated before the step are ignored (the
+    profiler knows the size of such a block only if an earlier profiled call allocated it, which would
+    make the result depend on history), so a step that frees older memory is not credited for it.
+    GPU: max_memory_allocated during the step minus memory_allocated before it (there, frees of older
+    memory do count). The step runs under the profiler, whose log lines are kept out of the output.
+    """
     synchronize(device)
     if device.type == "cuda":
         base = torch.cuda.memory_allocated(device)
@@ -46,31 +148,40 @@ def peak_bytes(step: Callable[[], None], device: torch.device) -> int:
         step()
         synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    # Every allocation and free is a "[memory]" record in the raw results (the aggregated
-    # FunctionEvents fold most of them into their ops).
-    records = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
+    with quiet_profiler_logs():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        records = _cpu_allocations(prof)
+    live_blocks: dict[int, int] = {}
     live = peak = 0
-    for _, delta in records:
-        live += delta
-        peak = max(peak, live)
+    for _, address, delta in records:
+        if delta > 0:
+            live_blocks[address] = live_blocks.get(address, 0) + delta
+            live += delta
+            peak = max(peak, live)
+        elif address in live_blocks:  # a free of a block this step allocated
+            live -= live_blocks.pop(address)
     return peak
 
 
-def write_csv(rows: list[dict], folder: str, name: str) -> None:
-    """Write result rows (dicts with the same keys) to folder/name and say where."""
+def cell(value: object) -> str:
+    """A value as a CSV cell: blank for missing or NaN."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return ""
+    return str(value)
+
+
+def write_csv(rows: list[dict], folder: str, name: str, quiet: bool = False) -> str:
+    """Write result rows (dicts with the same keys) to folder/name, missing values blank; return the path."""
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, name)
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {path}")
+        writer.writerows({key: cell(value) for key, value in row.items()} for row in rows)
+    if not quiet:
+        print(f"wrote {path}")
+    return path
 
 
 def error_line(err: Exception) -> str:
