@@ -1,0 +1,129 @@
+"""Peak memory of a step, and live/peak bytes between named instants of it (what the planner measures).
+
+Bytes are those allocated since the trace started and not yet freed. CUDA: torch.cuda.memory_allocated /
+max_memory_allocated relative to the start, the peak counter reset at each mark (frees of older blocks
+count there). CPU: there is no allocator counter, so the step runs under torch.profiler with
+profile_memory=True; every allocation and free is a record with its address, and each mark is a
+zero-length profiler range. Replaying the records in time order gives the live bytes at each mark and the
+peak between marks. Frees of blocks allocated before the trace are ignored: the profiler reports one only
+when an earlier profiled run allocated it, which would make the numbers depend on history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch._C._profiler import _ExtraFields_Allocation as _Allocation
+
+_MARK = "fastckpt.memory.mark:"
+
+
+@dataclass(frozen=True)
+class Point:
+    """One mark: live bytes at it, and the peak since the previous mark (or the trace's start)."""
+
+    key: str
+    live: int
+    peak_before: int
+
+
+class MemoryTrace:
+    """Context manager recording live and peak bytes at `mark(key)` calls, relative to its entry."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"fastckpt.memory: measures cpu and cuda devices, not {self.device.type!r}")
+        self.points: list[Point] = []
+        self._keys: list[str] = []
+        self._profiler: torch.profiler.profile | None = None
+        self._base = 0
+
+    def __enter__(self) -> MemoryTrace:
+        self.points, self._keys = [], []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self._base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._profiler = torch.profiler.profile(
+                activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+            )
+            self._profiler.__enter__()
+        return self
+
+    def mark(self, key: str) -> None:
+        """Record this instant under `key` (called from hooks too, forward or backward)."""
+        if self.device.type == "cuda":
+            # The caching allocator's counters are host-side and updated as ops are enqueued: no sync needed.
+            live = torch.cuda.memory_allocated(self.device) - self._base
+            peak = torch.cuda.max_memory_allocated(self.device) - self._base
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.points.append(Point(key, live, peak))
+        else:
+            with torch.profiler.record_function(f"{_MARK}{len(self._keys)}"):
+                pass
+            self._keys.append(key)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.mark("end")
+            return
+        self._keys.append("end")
+        self._profiler.__exit__(*exc)
+        if exc[0] is None:
+            self.points = _replay(self._profiler, self._keys)
+        self._profiler = None
+
+    @property
+    def peak(self) -> int:
+        """The highest live bytes anywhere in the trace (0 if nothing above the start was allocated)."""
+        return max([0, *(p.peak_before for p in self.points), *(p.live for p in self.points)])
+
+
+def _replay(profiler: torch.profiler.profile, keys: list[str]) -> list[Point]:
+    """Points (in mark order) from the profiler's allocation records and mark ranges, replayed in time order."""
+    events = []  # (time ns, kind: 0 mark / 1 allocation record, mark index or (address, bytes))
+    stack = list(profiler.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        event = stack.pop()
+        stack.extend(event.children)
+        fields = event.extra_fields
+        if isinstance(fields, _Allocation):
+            if fields.device.type == "cpu":
+                events.append((event.start_time_ns, 1, (fields.ptr, fields.alloc_size)))
+        elif event.name.startswith(_MARK):
+            events.append((event.start_time_ns, 0, int(event.name[len(_MARK) :])))
+    delivered = {value for _, kind, value in events if kind == 0}
+    last = max((t for t, _, _ in events), default=0)
+    for index in range(len(keys)):
+        if index not in delivered:  # the final mark is made after the profiler stopped: it sits at the end
+            events.append((last + 1 + index, 0, index))
+    # At equal times a mark comes before the allocation: records are stamped when the op starts.
+    events.sort(key=lambda e: (e[0], e[1]))
+    points: list[Point | None] = [None] * len(keys)
+    blocks: dict[int, int] = {}
+    live = peak = 0
+    for _, kind, value in events:
+        if kind == 0:
+            points[value] = Point(keys[value], live, peak)
+            peak = live
+            continue
+        address, delta = value
+        if delta > 0:
+            blocks[address] = blocks.get(address, 0) + delta
+            live += delta
+            peak = max(peak, live)
+        elif address in blocks:  # a free of a block allocated inside the trace
+            live -= blocks.pop(address)
+    return points
+
+
+def peak_bytes(step: Callable[[], object], device: torch.device | str = "cpu") -> int:
+    """Peak bytes allocated during one call of `step`, above what was live before it."""
+    with MemoryTrace(device) as trace:
+        step()
+    return trace.peak

@@ -1,0 +1,327 @@
+"""fastckpt.plan: segments, measurement, peak model, solver, apply, and argument errors."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fastckpt
+from fastckpt.api import CheckpointWrapper
+from fastckpt.memory import MemoryTrace, peak_bytes
+from fastckpt.planner import (
+    DEFAULT_CANDIDATES,
+    NONE,
+    CandidateMeasurement,
+    Measurements,
+    SegmentCost,
+    _fastest_within,
+    _predicted_peak,
+    _smallest_peak,
+    measure,
+)
+
+
+class Block(nn.Module):
+    """Pre-LN MLP block; its activations (128-512 KiB) are all above the codecs' minimum size."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 4 * dim)
+        self.fc2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class Net(nn.Module):
+    def __init__(self, layers: int = 5, dim: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.side = nn.Sequential(nn.Linear(dim, dim), nn.ReLU())  # smaller, not identical blocks: not chosen
+        self.head = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make(layers: int = 5):
+    torch.manual_seed(0)
+    model = Net(layers)
+    x = torch.randn(4, 256, 64)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+CANDIDATES = [NONE, "recompute", "recompute+int8", "int8", "int4", "recompute:int4+int4"]
+
+
+@pytest.fixture(scope="module")
+def measured():
+    model, step = make()
+    return measure(model, step, candidates=CANDIDATES, repeats=1), step
+
+
+def test_default_segments_are_the_largest_stack_of_identical_blocks(measured):
+    measurements, _ = measured
+    assert [s.name for s in measurements.segments] == [f"blocks.{i}" for i in range(5)]
+    assert list(measurements.by_policy) == CANDIDATES
+    assert "recompute:int8+int8" in DEFAULT_CANDIDATES and NONE in DEFAULT_CANDIDATES
+    # what each candidate keeps per segment is ordered as its storage says
+    kept = {p: sum(c.kept_bytes for c in m.segments) for p, m in measurements.by_policy.items()}
+    assert kept["none"] > kept["int8"] > kept["int4"] > kept["recompute"] > kept["recompute+int8"]
+    assert measurements.by_policy["int8"].bits_per_element == pytest.approx(8.25)
+
+
+@pytest.mark.parametrize("budget", ["100%", "85%", "smallest", "plain"])
+def test_plan_fits_its_budget_and_predicts_the_measured_peak(measured, budget):
+    measurements, step = measured
+    if budget == "smallest":
+        budget = measurements.smallest_feasible_budget()
+    elif budget == "plain":
+        budget = measurements.by_policy[NONE].peak  # plenty: plain everywhere fits
+    plan = measurements.plan(budget)
+    assert plan.predicted_peak <= plan.budget
+    plan.apply()
+    try:
+        step()
+        measured_peak = peak_bytes(step)
+    finally:
+        plan.remove()
+    assert measured_peak <= plan.budget * 1.01, (plan.policies, measured_peak, plan.budget)
+    assert abs(plan.predicted_peak - measured_peak) <= 0.10 * measured_peak, (plan.policies, measured_peak)
+    if budget == measurements.by_policy[NONE].peak:  # everything fits: the fastest by the time model
+        assert all(plan.predicted_seconds <= measurements.predict_seconds([p] * 5) for p in CANDIDATES)
+
+
+def test_peak_model_on_every_uniform_and_some_mixed_assignments(measured):
+    measurements, step = measured
+    for policy, m in measurements.by_policy.items():
+        assert abs(measurements.predict_peak([policy] * 5) - m.peak) <= 0.02 * m.peak, policy
+    random.seed(0)
+    for _ in range(2):
+        policies = [random.choice(CANDIDATES) for _ in range(5)]
+        model = measurements.model
+        for segment, policy in zip(measurements.segments, policies, strict=True):
+            if policy != NONE:
+                setattr(segment.parent, segment.attribute, fastckpt.wrap(segment.module, policy))
+        try:
+            step()
+            actual = peak_bytes(step)
+        finally:
+            for segment in measurements.segments:
+                setattr(segment.parent, segment.attribute, segment.module)
+        assert abs(measurements.predict_peak(policies) - actual) <= 0.10 * actual, (policies, actual)
+        assert all(isinstance(b, Block) for b in model.blocks)
+
+
+def test_infeasible_budget_names_the_smallest_feasible_one(measured):
+    measurements, _ = measured
+    smallest = measurements.smallest_feasible_budget()
+    assert smallest < measurements.reference_peak
+    with pytest.raises(
+        ValueError,
+        match=rf"fits a budget of {smallest - 1} bytes.*smallest feasible budget is "
+        rf"{smallest} bytes",
+    ):
+        measurements.plan(smallest - 1)
+    with pytest.raises(ValueError, match="smallest feasible budget is"):
+        measurements.plan("10%")
+    assert measurements.plan(smallest).predicted_peak == smallest
+
+
+def test_apply_keeps_the_state_dict_and_remove_undoes_it(measured):
+    measurements, step = measured
+    model = measurements.model
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    plan = measurements.plan("85%")
+    assert set(plan.policies) - {NONE}, "the budget needs some checkpointed segment"
+    plan.apply()
+    try:
+        wrapped = [isinstance(b, CheckpointWrapper) for b in model.blocks]
+        assert wrapped == [p != NONE for p in plan.policies]
+        state = model.state_dict()
+        assert list(state) == list(before) and all(torch.equal(state[k], before[k]) for k in before)
+        model.load_state_dict(before)
+        with pytest.raises(RuntimeError, match="already applied"):
+            plan.apply()
+        lines = plan.table().splitlines()
+        assert len(lines) == 7 and all(p in plan.table() for p in plan.policies)
+        assert "predicted peak" in lines[-1]
+    finally:
+        plan.remove()
+    assert all(isinstance(b, Block) for b in model.blocks)
+
+
+def test_fastckpt_plan_in_one_call():
+    model, step = make(layers=3)
+    plan = fastckpt.plan(model, step, "100%", candidates=["recompute", "int8", NONE], repeats=1)
+    assert plan.predicted_peak <= plan.budget == plan.measurements.reference_peak
+    assert len(plan.policies) == 3 and set(plan.policies) <= {"recompute", "int8", NONE}
+    assert plan.predicted_seconds > 0
+    assert not plan.applied and all(isinstance(b, Block) for b in model.blocks)  # measuring left the model as it was
+
+
+def test_check_fn_chooses_the_segments():
+    model, step = make(layers=2)
+    measurements = measure(model, step, check_fn=lambda m: isinstance(m, Block), candidates=["recompute"], repeats=1)
+    assert [s.name for s in measurements.segments] == ["blocks.0", "blocks.1"]
+    assert measurements.candidates == ["recompute"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"model": "net"}, TypeError, "`model` must be a torch.nn.Module"),
+        ({"step": 3}, TypeError, "`step` must be a callable"),
+        ({"budget": "50"}, ValueError, r"budget '50' is not a percentage such as '50%'"),
+        ({"budget": "abc%"}, ValueError, "is not a percentage"),
+        ({"budget": "-5%"}, ValueError, "is not a percentage"),
+        ({"budget": -1}, ValueError, "must be a positive number of bytes"),
+        ({"budget": 1.5}, TypeError, "must be bytes"),
+        ({"budget": True}, TypeError, "must be bytes"),
+        ({"candidates": ["int5"]}, ValueError, r"candidate 'int5'.*unknown token 'int5'.*or 'none'"),
+        ({"candidates": ["int8", "int8"]}, ValueError, "listed twice"),
+        ({"candidates": ["recompute", "recompute+"]}, ValueError, "unknown token ''"),
+        ({"candidates": []}, ValueError, "`candidates` is empty"),
+        ({"candidates": "int8"}, TypeError, "must be a list of policies"),
+        ({"check_fn": lambda m: False}, ValueError, "selected no submodule"),
+        ({"check_fn": 3}, TypeError, "`check_fn` must be callable"),
+        ({"repeats": 0}, ValueError, "`repeats` must be an integer >= 1"),
+    ],
+)
+def test_bad_arguments_are_named(kwargs, error, message):
+    model, step = make(layers=2)
+    arguments = {"model": model, "step": step, "budget": "100%", **kwargs}
+    with pytest.raises(error, match=message):
+        fastckpt.plan(**arguments)
+
+
+def test_models_the_planner_cannot_measure_are_refused():
+    with pytest.raises(ValueError, match="no nn.ModuleList/nn.Sequential of two or more identical blocks"):
+        fastckpt.plan(nn.Linear(4, 4), lambda: None, "100%")
+    model, step = make(layers=2)
+    fastckpt.apply(model, "recompute", check_fn=lambda m: isinstance(m, Block))
+    with pytest.raises(ValueError, match="already wrapped by fastckpt"):
+        fastckpt.plan(model, step, "100%", check_fn=lambda m: isinstance(m, CheckpointWrapper))
+
+    model, _ = make(layers=2)
+    x = torch.randn(2, 8, 64)
+
+    def twice() -> None:
+        model(model(x)).sum().backward()
+
+    with pytest.raises(ValueError, match=r"each segment must run exactly once per step\(\)"):
+        fastckpt.plan(model, twice, "100%", candidates=["recompute"])
+
+    def forward_only() -> None:
+        with torch.no_grad():
+            model(x)
+
+    with pytest.raises(ValueError, match="must run exactly once|no gradient reached"):
+        fastckpt.plan(model, forward_only, "100%", candidates=[NONE])
+
+    def no_backward() -> None:
+        model(x)
+
+    with pytest.raises(ValueError, match="no gradient reached the outputs of segments"):
+        fastckpt.plan(model, no_backward, "100%", candidates=[NONE])
+    assert all(isinstance(b, Block) for b in model.blocks)  # a failed measurement leaves the model as it was
+
+
+def synthetic(n: int, names: list[str], seed: int, unit: int) -> dict[str, CandidateMeasurement]:
+    """Random measurements whose byte values are multiples of `unit` (so discretisation is exact)."""
+    rng = random.Random(seed)
+    out = {}
+    for name in names:
+        segments = [
+            SegmentCost(
+                kept_bytes=unit * rng.randint(0, 40),
+                forward_excess=unit * rng.randint(0, 60),
+                backward_level=unit * rng.randint(-10, 60),
+                seconds=rng.uniform(1, 3),
+            )
+            for _ in range(n)
+        ]
+        out[name] = CandidateMeasurement(
+            name, segments, unit * 5, unit * 20, unit * 30, unit * rng.randint(0, 20), 0, 0.0, 1.0, float("nan")
+        )
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_solver_matches_brute_force(seed):
+    names = ["a", "b", "c"]
+    n = 5
+    measurements = synthetic(n, names, seed, unit=4099)
+    assignments = list(itertools.product(names, repeat=n))
+    peaks = {a: _predicted_peak(measurements, list(a)) for a in assignments}
+    smallest, largest = min(peaks.values()), max(peaks.values())
+    assert _predicted_peak(measurements, _smallest_peak(measurements, names, n)) == smallest
+
+    def seconds(a):
+        return sum(measurements[p].segments[i].seconds for i, p in enumerate(a))
+
+    for budget in (smallest - 1, smallest, (smallest + largest) // 2, largest):
+        feasible = [a for a in assignments if peaks[a] <= budget]
+        chosen = _fastest_within(measurements, names, n, budget)
+        if not feasible:
+            assert chosen is None
+            continue
+        assert chosen is not None and _predicted_peak(measurements, chosen) <= budget
+        assert seconds(chosen) == pytest.approx(min(seconds(a) for a in feasible), abs=1e-12)
+
+
+def test_measurements_plan_every_budget_from_one_measurement(measured):
+    measurements, _ = measured
+    plans = [measurements.plan(b) for b in ("150%", "100%", "85%")]
+    times = [p.predicted_seconds for p in plans]
+    assert times == sorted(times), "a larger budget never gives a slower plan"
+    assert all(isinstance(p, fastckpt.Plan) for p in plans)
+    assert isinstance(measurements, Measurements) and "recompute" in measurements.table()
+    with pytest.raises(ValueError, match="5 policies needed"):
+        measurements.predict_peak(["int8"])
+    with pytest.raises(ValueError, match=r"\['int2'\] not measured"):
+        measurements.predict_peak(["int2"] * 5)
+
+
+def test_memory_trace_counts_what_the_step_allocates():
+    older = torch.empty(2**20)
+
+    def step() -> None:
+        nonlocal older
+        a = torch.empty(2**20)  # 4 MiB
+        b = torch.empty(2**21)  # 8 MiB
+        del a, b
+        older = None  # a block from before the trace: its free is not credited
+
+    assert peak_bytes(step) == 12 * 2**20
+    with MemoryTrace("cpu") as trace:
+        trace.mark("a")
+        kept = torch.empty(2**20)
+        trace.mark("b")
+        temp = torch.empty(2**21)
+        del temp
+        trace.mark("c")
+    assert [(p.key, p.live, p.peak_before) for p in trace.points] == [
+        ("a", 0, 0),
+        ("b", 4 * 2**20, 4 * 2**20),
+        ("c", 4 * 2**20, 12 * 2**20),
+        ("end", 4 * 2**20, 4 * 2**20),
+    ]
+    assert trace.peak == 12 * 2**20 and kept.numel() == 2**20
+    with pytest.raises(ValueError, match="measures cpu and cuda devices, not 'meta'"):
+        MemoryTrace("meta")
