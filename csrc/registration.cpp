@@ -24,10 +24,11 @@ TORCH_LIBRARY(fastckpt, m) {
   // rounding driven by a counter-based hash of (seed, group, index): same seed, same codes, on every device.
   // Error bound (round to nearest), with scale and offset as stored: |x - decoded| <= scale / 2, plus a few
   // float32 ulps of |offset| + (2^bits - 1) * scale, plus the rounding of the decoded value to its dtype.
-  // It holds up to each dtype's maximum: finite groups always get finite parameters (max - offset
-  // beyond FLT_MAX is computed on halves, offset and scale saturate at the 16-bit format's range) and
-  // decode to finite values. One exception: float32 values below bfloat16's lowest (-3.3895e38) decode
-  // to it (the group's offset saturates there), an error below 2^120 (~1.33e36, bf16's ulp there).
+  // It holds up to each dtype's maximum: finite groups always get finite parameters and decode to finite
+  // values (max - offset beyond FLT_MAX is computed on halves; the offset saturates at the 16-bit
+  // format's lowest; the scale then always fits: at most 2.26e38 for bf16, 43669 for fp16). One
+  // exception: float32 values below bfloat16's lowest (-3.3895e38) decode to it (the group's offset
+  // saturates there), an error below 2^120 (~1.33e36, bf16's ulp there).
   // A group holding NaN or Inf stores NaN scale and offset: it decodes to all-NaN.
   // Returns (codes, scale, offset); scale and offset are 1-D with ceil(numel / group_size) entries.
   m.def(

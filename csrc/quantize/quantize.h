@@ -190,8 +190,7 @@ FASTCKPT_HD uint32_t param_round_up(float v, bool bf16) {
 }
 constexpr uint32_t kParamNaN = 0x7FC0u;  // a quiet NaN in bf16 and in fp16 alike
 FASTCKPT_HD bool is_finite_float(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
-// The format's largest finite value (bf16: 3.3895e38, fp16: 65504), and its negation.
-FASTCKPT_HD uint32_t param_max_bits(bool bf16) { return bf16 ? 0x7F7Fu : 0x7BFFu; }
+// The format's lowest finite value (bf16: -3.3895e38, fp16: -65504).
 FASTCKPT_HD uint32_t param_lowest_bits(bool bf16) { return bf16 ? 0xFF7Fu : 0xFBFFu; }
 
 // ---------------------------------------------------------------- output dtypes: finite range and NaN
@@ -301,13 +300,12 @@ FASTCKPT_HD float uniform01(uint32_t group_key, uint32_t index_in_group) {
 // the rounding offset: 0.5 for round-to-nearest, uniform [0,1) for stochastic rounding), and a
 // code back into a float (decode). Both share one interface so that every kernel serves both.
 
-// A group's parameters. encode reads pre, offset and inv_scale: code from (x * pre - offset) * inv_scale,
-// where pre is 1 except in wide affine groups (0.5: see AffineCodec), so offset and inv_scale hold the
-// stored offset times pre and 1 / (scale * pre); scale is the stored scale (fp8: offset 0, offset_bits unused).
+// A group's parameters; encode reads only offset, inv_scale = 1 / scale and wide (fp8: offset 0,
+// offset_bits unused, never wide).
 struct GroupParams {
-  float offset, scale, inv_scale, pre;
+  float offset, scale, inv_scale;
   uint32_t offset_bits, scale_bits;  // as stored: 16-bit float patterns
-  bool finite;
+  bool finite, wide;
 };
 
 // Asymmetric per-group integer codes: x ~= offset + code * scale, code in [0, 2^bits - 1].
@@ -316,6 +314,7 @@ struct GroupParams {
 // Nothing overflows for finite data: the offset saturates at the format's lowest value (fp32 values
 // below bf16's lowest then decode to it), and a group whose max - offset exceeds float32's range
 // ("wide") computes its step, and its codes, from halves of the values (exact: such values are large).
+// The scale then always fits its format (see make).
 template <int kBitsArg>
 struct AffineCodec {
   static constexpr int kBits = kBitsArg;
@@ -326,40 +325,45 @@ struct AffineCodec {
 
   // Branch-free (selects only), so that groups overlap in the CPU's pipeline.
   FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool bf16) {
-    uint32_t offset_bits = param_round_down(lo, bf16);
-    offset_bits = is_finite_float(param_to_float(offset_bits, bf16)) ? offset_bits : param_lowest_bits(bf16);
+    // The offset saturates at the format's lowest: min rounded down, from no lower than that value.
+    const float lowest = param_to_float(param_lowest_bits(bf16), bf16);
+    const uint32_t offset_bits = param_round_down(lo > lowest ? lo : lowest, bf16);
     const float offset = param_to_float(offset_bits, bf16);
     const float range = sub_rn(hi, offset);
     // Wide: max - offset overflows; halving is exact there (both are beyond 2^100 in magnitude).
     const bool wide = !is_finite_float(range);
-    const float half_range = sub_rn(mul_rn(hi, 0.5f), mul_rn(offset, 0.5f));
-    const float step = wide ? mul_rn(div_rn(half_range, static_cast<float>(kMaxCode)), 2.0f)
-                            : div_rn(range, static_cast<float>(kMaxCode));
-    // A floor of 2^-126 keeps 1/scale finite (constant groups decode exactly through code 0). The step
-    // is at most (FLT_MAX + 3.39e38) / 3 (bf16) or 131008 / 3 (fp16): rounding it up cannot overflow,
-    // the saturation only guards the format.
-    uint32_t scale_bits = param_round_up(step > 1.17549435e-38f ? step : 1.17549435e-38f, bf16);
-    scale_bits = is_finite_float(param_to_float(scale_bits, bf16)) ? scale_bits : param_max_bits(bf16);
+    const float quotient =
+        div_rn(wide ? sub_rn(mul_rn(hi, 0.5f), mul_rn(offset, 0.5f)) : range, static_cast<float>(kMaxCode));
+    const float step = wide ? mul_rn(quotient, 2.0f) : quotient;
+    // A floor of 2^-126 keeps 1/scale finite (constant groups decode exactly through code 0). No
+    // saturation needed: the step is at most (FLT_MAX + 3.39e38) / 3 = 2.26e38 (bf16 params, whose
+    // max is 3.39e38) or 131008 / 3 = 43669 (fp16 params, fp16 inputs only; max 65504), so rounding
+    // it up stays finite.
+    const uint32_t scale_bits = param_round_up(step > 1.17549435e-38f ? step : 1.17549435e-38f, bf16);
     const float scale = param_to_float(scale_bits, bf16);
     const float inv_scale = div_rn(1.0f, scale);
     // Non-finite data: NaN parameters, codes 0.
-    return Params{finite ? (wide ? mul_rn(offset, 0.5f) : offset) : 0.f,
-                  finite ? scale : 0.f,
-                  finite ? (wide ? mul_rn(inv_scale, 2.0f) : inv_scale) : 0.f,
-                  finite && wide ? 0.5f : 1.0f,
-                  finite ? offset_bits : kParamNaN,
-                  finite ? scale_bits : kParamNaN,
-                  finite};
+    return Params{finite ? offset : 0.f,         finite ? scale : 0.f,         finite ? inv_scale : 0.f,
+                  finite ? offset_bits : kParamNaN, finite ? scale_bits : kParamNaN, finite, finite && wide};
   }
 
   // Any group.
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float u) {
-    return encode_unscaled(p, mul_rn(x, p.pre), u);
+    return p.wide ? encode_wide(p, x, u) : encode_narrow(p, x, u);
   }
 
-  // Groups with pre == 1 (all but wide ones), where x * pre == x: the same codes, one multiply sooner.
-  FASTCKPT_HD static uint32_t encode_unscaled(const Params& p, float x, float u) {
-    float t = mul_rn(sub_rn(x, p.offset), p.inv_scale);
+  // Wide groups: (x/2 - offset/2) * (2/scale), where x - offset could overflow.
+  FASTCKPT_HD static uint32_t encode_wide(const Params& p, float x, float u) {
+    return code_of(mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(p.offset, 0.5f)), mul_rn(p.inv_scale, 2.0f)), u);
+  }
+
+  // All other groups: (x - offset) * (1/scale).
+  FASTCKPT_HD static uint32_t encode_narrow(const Params& p, float x, float u) {
+    return code_of(mul_rn(sub_rn(x, p.offset), p.inv_scale), u);
+  }
+
+  // t = (x - offset) / scale, rounded with offset u.
+  FASTCKPT_HD static uint32_t code_of(float t, float u) {
     // NaN (only in non-finite groups, whose codes are replaced by 0) becomes 0 here, so it never
     // reaches the float-to-int conversion. Above, t is at most kMaxCode plus a few ulp (x <= max,
     // offset <= min, scale rounded up; wide groups on halves, so x/2 - offset/2 cannot overflow), so
@@ -417,14 +421,15 @@ struct Fp8Codec {
     e = e > kMinExponent ? e : kMinExponent;
     const float inv_scale = float_from_bits(static_cast<uint32_t>(127 - e) << 23);
     const float scale = float_from_bits(static_cast<uint32_t>(127 + e) << 23);
-    return Params{0.f, finite ? scale : 0.f, finite ? inv_scale : 0.f, 1.0f, 0u,
-                  finite ? static_cast<uint32_t>(127 + e) << 7 : kParamNaN, finite};
+    return Params{0.f, finite ? scale : 0.f, finite ? inv_scale : 0.f, 0u,
+                  finite ? static_cast<uint32_t>(127 + e) << 7 : kParamNaN, finite, false};
   }
 
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float /*u*/) {
     return float_to_e4m3_bits(mul_rn(x, p.inv_scale));
   }
-  FASTCKPT_HD static uint32_t encode_unscaled(const Params& p, float x, float u) { return encode(p, x, u); }
+  FASTCKPT_HD static uint32_t encode_narrow(const Params& p, float x, float u) { return encode(p, x, u); }
+  FASTCKPT_HD static uint32_t encode_wide(const Params& p, float x, float u) { return encode(p, x, u); }
 
   // code * scale: exact (a power-of-two scale) unless it overflows to Inf, which decode_saturated clamps.
   FASTCKPT_HD static float decode(float /*offset*/, float scale, uint32_t code) {

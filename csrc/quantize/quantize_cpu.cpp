@@ -157,25 +157,14 @@ FASTCKPT_HD void group_range(const T* __restrict__ src, int64_t n, typename Keys
   hi_key = hi;
 }
 
-// One code per byte for src[0, n). kScaled: the group's pre is not 1 (a wide affine group, rare); the
-// loop for the others skips the multiply by 1.
-template <typename T, typename Codec, bool kStochastic, bool kScaled>
+// One code per byte for src[0, n). kWide: the group is wide (rare; see AffineCodec).
+template <typename T, typename Codec, bool kStochastic, bool kWide>
 FASTCKPT_HD void encode_group(const T* __restrict__ src, uint8_t* __restrict__ out, int64_t n, const GroupParams& p,
                               uint32_t key) {
   for (int64_t i = 0; i < n; ++i) {
     const float u = kStochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
     const float x = to_float(src[i]);
-    out[i] = static_cast<uint8_t>(kScaled ? Codec::encode(p, x, u) : Codec::encode_unscaled(p, x, u));
-  }
-}
-
-template <typename T, typename Codec, bool kStochastic>
-FASTCKPT_HD void encode_any_group(const T* __restrict__ src, uint8_t* __restrict__ out, int64_t n,
-                                  const GroupParams& p, uint32_t key) {
-  if (Codec::kCanBeWide && p.pre != 1.0f) {
-    encode_group<T, Codec, kStochastic, true>(src, out, n, p, key);
-  } else {
-    encode_group<T, Codec, kStochastic, false>(src, out, n, p, key);
+    out[i] = static_cast<uint8_t>(kWide ? Codec::encode_wide(p, x, u) : Codec::encode_narrow(p, x, u));
   }
 }
 
@@ -215,6 +204,43 @@ FASTCKPT_HD void unpack_codes(const uint8_t* __restrict__ packed, uint8_t* __res
 template <typename T>
 using BlockValue = std::conditional_t<std::is_same_v<T, c10::Half>, float, T>;
 
+// The encode phase of one block: codes of groups [0, groups) of src (count elements) into unpacked
+// (one per byte), from the parameters the block computed. kMayBeWide: some group of the block is wide.
+template <typename T, typename Codec, bool kMayBeWide>
+FASTCKPT_HD void encode_block(const T* src, uint8_t* unpacked, int64_t count, int64_t group_size, int64_t groups,
+                              int64_t g0, const float* offsets, const float* inv_scales, const int32_t* finite,
+                              const int32_t* wide, bool stochastic, uint32_t seed_key, float* values) {
+  int64_t widened_from = 0;  // fp16: values holds the block's elements from here on, as fp32
+  for (int64_t b = 0; b < groups; ++b) {
+    const int64_t at = b * group_size, n = std::min(group_size, count - at);
+    const GroupParams p{offsets[b], 0.f, inv_scales[b], 0u, 0u, finite[b] != 0, kMayBeWide && wide[b] != 0};
+    const BlockValue<T>* encoded = nullptr;
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      // widened a few groups at a time, so that they are still in L1 when encoded
+      if (b == 0 || at - widened_from + n > kWidenElems) {
+        widened_from = at;
+        half_to_float(src + at, values, std::min(std::max(kWidenElems, n), count - at));
+      }
+      encoded = values + (at - widened_from);
+    } else {
+      encoded = src + at;
+    }
+    if (kMayBeWide && p.wide) {
+      if (stochastic) {
+        encode_group<BlockValue<T>, Codec, true, true>(encoded, unpacked + at, n, p, group_key(seed_key, g0 + b));
+      } else {
+        encode_group<BlockValue<T>, Codec, false, true>(encoded, unpacked + at, n, p, 0);
+      }
+    } else if (stochastic) {
+      encode_group<BlockValue<T>, Codec, true, false>(encoded, unpacked + at, n, p, group_key(seed_key, g0 + b));
+    } else {
+      encode_group<BlockValue<T>, Codec, false, false>(encoded, unpacked + at, n, p, 0);
+    }
+    // A non-finite group decodes to NaN through its parameters; its codes are 0.
+    if (!finite[b]) std::fill_n(unpacked + at, n, uint8_t{0});
+  }
+}
+
 // Groups [begin, end); scratch and values come from BlockScratch::make<T>.
 template <typename T, typename Codec>
 FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* scale, uint16_t* offset, int64_t numel,
@@ -224,9 +250,9 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
   // affine_param_dtype as a constant: a run-time choice inside the parameter loop blocks its vectorization
   constexpr bool kBf16Params = !std::is_same_v<T, c10::Half>;
   const int64_t block = block_groups(group_size);
-  float lo[kMaxBlockGroups], hi[kMaxBlockGroups], offsets[kMaxBlockGroups], inv_scales[kMaxBlockGroups],
-      pres[kMaxBlockGroups];
-  int32_t finite[kMaxBlockGroups];  // int32, not bool: keeps the parameter loop in one vector width
+  float lo[kMaxBlockGroups], hi[kMaxBlockGroups], offsets[kMaxBlockGroups], inv_scales[kMaxBlockGroups];
+  // int32, not bool: keeps the parameter loop in one vector width
+  int32_t finite[kMaxBlockGroups], wide[kMaxBlockGroups];
   typename Keys<T>::Key lo_keys[kMaxBlockGroups], hi_keys[kMaxBlockGroups];
   for (int64_t g0 = begin; g0 < end; g0 += block) {
     const int64_t groups = std::min(block, end - g0);
@@ -241,39 +267,26 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
       hi[b] = Keys<T>::value(hi_keys[b]);
       finite[b] = lo_keys[b] > Keys<T>::kNegInf && hi_keys[b] < Keys<T>::kPosInf;
     }
+    int32_t any_wide = 0;
     for (int64_t b = 0; b < groups; ++b) {
       const GroupParams p = Codec::make(lo[b], hi[b], finite[b] != 0, kBf16Params);
       offsets[b] = p.offset;
       inv_scales[b] = p.inv_scale;
-      pres[b] = p.pre;
       finite[b] = p.finite;
+      wide[b] = p.wide;
+      any_wide |= wide[b];
       scale[g0 + b] = static_cast<uint16_t>(p.scale_bits);
       if constexpr (Codec::kHasOffset) offset[g0 + b] = static_cast<uint16_t>(p.offset_bits);
     }
     uint8_t* dst = codes + first / kPerByte;  // groups start on whole bytes
     uint8_t* unpacked = kPerByte == 1 ? dst : scratch;
-    int64_t widened_from = 0;  // fp16: values holds the block's elements from here on, as fp32
-    for (int64_t b = 0; b < groups; ++b) {
-      const int64_t at = b * group_size, n = std::min(group_size, count - at);
-      const GroupParams p{offsets[b], 0.f, inv_scales[b], pres[b], 0u, 0u, finite[b] != 0};
-      const BlockValue<T>* encoded = nullptr;
-      if constexpr (std::is_same_v<T, c10::Half>) {
-        // widened a few groups at a time, so that they are still in L1 when encoded
-        if (b == 0 || at - widened_from + n > kWidenElems) {
-          widened_from = at;
-          half_to_float(src + at, values, std::min(std::max(kWidenElems, n), count - at));
-        }
-        encoded = values + (at - widened_from);
-      } else {
-        encoded = src + at;
-      }
-      if (stochastic) {
-        encode_any_group<BlockValue<T>, Codec, true>(encoded, unpacked + at, n, p, group_key(seed_key, g0 + b));
-      } else {
-        encode_any_group<BlockValue<T>, Codec, false>(encoded, unpacked + at, n, p, 0);
-      }
-      // A non-finite group decodes to NaN through its parameters; its codes are 0.
-      if (!finite[b]) std::fill_n(unpacked + at, n, uint8_t{0});
+    // Wide groups (rare) get their own loop; a block without any runs the plain one and tests nothing per group.
+    if (Codec::kCanBeWide && any_wide) {
+      encode_block<T, Codec, true>(src, unpacked, count, group_size, groups, g0, offsets, inv_scales, finite, wide,
+                                   stochastic, seed_key, values);
+    } else {
+      encode_block<T, Codec, false>(src, unpacked, count, group_size, groups, g0, offsets, inv_scales, finite, wide,
+                                    stochastic, seed_key, values);
     }
     if constexpr (kPerByte > 1) {
       std::fill_n(scratch + count, kPerByte, uint8_t{0});  // zero bits after the tensor's last code
@@ -303,10 +316,11 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
       for (int64_t b = 0; b < groups; ++b) {
         offsets[b] = bf16_params ? bf16_bits_to_float(offset[g0 + b]) : half_bits_to_float(offset[g0 + b]);
       }
-    } else {
-      std::fill_n(offsets, groups, 0.f);
     }
-    for (int64_t b = 0; b < groups; ++b) in_range[b] = Codec::in_range(offsets[b], scales[b], limit);
+    // false for NaN/Inf parameters too: one test per group in the common case
+    for (int64_t b = 0; b < groups; ++b) {
+      in_range[b] = Codec::in_range(Codec::kHasOffset ? offsets[b] : 0.f, scales[b], limit);
+    }
     const uint8_t* unpacked = codes + first / kPerByte;
     if constexpr (kPerByte > 1) {
       unpack_codes<Codec::kBits>(unpacked, scratch, (count + kPerByte - 1) / kPerByte);
@@ -315,7 +329,7 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
     int64_t narrowed_to = 0;  // fp16: values holds decoded elements from here on, as fp32
     for (int64_t b = 0; b < groups; ++b) {
       const int64_t at = b * group_size, n = std::min(group_size, count - at);
-      const float s = scales[b], o = offsets[b];
+      const float s = scales[b], o = Codec::kHasOffset ? offsets[b] : 0.f;
       const uint8_t* __restrict__ q = unpacked + at;
       BlockValue<T>* y = nullptr;
       if constexpr (std::is_same_v<T, c10::Half>) {
@@ -328,17 +342,16 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
       } else {
         y = out + first + at;
       }
-      // A group with NaN parameters (codes 0; Inf ones only come from foreign input) is filled with
-      // the canonical NaN, so the loops below never round a NaN: bf16 rounding then needs no NaN
-      // select, which cost 30% of its time.
-      if (!is_finite_float(s) || !is_finite_float(o)) {
-        std::fill_n(y, n, from_float<BlockValue<T>>(float_from_bits(kFloatQuietNaN)));
-        continue;
-      }
-      // Groups some of whose codes would leave T's finite range (values near the dtype's maximum, or
-      // codes * scale beyond float32): clamped decoding, never NaN here. Rare; the others skip the clamp.
       if (!in_range[b]) {
-        for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(decode_saturated<Codec>(o, s, q[i], limit));
+        if (!is_finite_float(s) || !is_finite_float(o)) {
+          // NaN parameters (codes 0; Inf ones only come from foreign input): the canonical NaN, so that
+          // no loop rounds a NaN (bf16 rounding then needs no NaN select, which cost 30% of its time).
+          std::fill_n(y, n, from_float<BlockValue<T>>(float_from_bits(kFloatQuietNaN)));
+        } else {
+          // Some code would leave T's finite range (values near the dtype's maximum, or code * scale
+          // beyond float32): clamped decoding. Rare; the loops below skip the clamp.
+          for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(decode_saturated<Codec>(o, s, q[i], limit));
+        }
         continue;
       }
       if constexpr (std::is_same_v<T, c10::BFloat16>) {

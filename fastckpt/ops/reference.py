@@ -30,8 +30,6 @@ _KEY_POS_INF = 0x7F800000  # order key of +Inf; keys above it are NaN
 _KEY_NEG_INF = -0x7F800001  # order key of -Inf; keys below it are NaN
 _PARAM_NAN = 0x7FC0  # the 16-bit NaN stored as scale/offset of a group holding NaN or Inf
 _MIN_NORMAL = 2.0**-126
-_PARAM_LOWEST = {torch.float16: 0xFBFF, torch.bfloat16: 0xFF7F}  # -65504, -3.3895e38
-_PARAM_MAX = {torch.float16: 0x7BFF, torch.bfloat16: 0x7F7F}
 # The canonical quiet NaN of each output dtype, as bits (torch's own conversions vary: bf16 gives 0xFFFF).
 _QUIET_NAN = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 
@@ -159,16 +157,13 @@ def quantize_per_group_ref(
     group_size = effective_group_size(x.numel(), group_size)
     values, lo, hi, finite = _grouped(x, group_size)
     lo, hi = torch.where(finite, lo, 0.0), torch.where(finite, hi, 0.0)
-    offset = _round_to_param(lo, param_dtype, up=False)
-    lowest = _bits16_to(torch.full_like(lo, _PARAM_LOWEST[param_dtype], dtype=torch.int32), param_dtype)
-    offset = torch.where(torch.isfinite(offset.float()), offset, lowest)  # saturates (fp32 below bf16's lowest)
+    # the offset saturates at the format's lowest (fp32 below bf16's lowest -3.3895e38)
+    offset = _round_to_param(torch.clamp(lo, min=torch.finfo(param_dtype).min), param_dtype, up=False)
     o = offset.float()
     # a group spanning more than float32's range ("wide") takes its step, and its codes, from halves
     wide = ~torch.isfinite(hi - o)
     step = torch.where(wide, (hi * 0.5 - o * 0.5) / max_code * 2.0, (hi - o) / max_code)
-    scale = _round_to_param(torch.clamp(step, min=_MIN_NORMAL), param_dtype, up=True)
-    top = _bits16_to(torch.full_like(lo, _PARAM_MAX[param_dtype], dtype=torch.int32), param_dtype)
-    scale = torch.where(torch.isfinite(scale.float()), scale, top)
+    scale = _round_to_param(torch.clamp(step, min=_MIN_NORMAL), param_dtype, up=True)  # finite: step <= 2.26e38
     inv_scale = 1.0 / scale.float()
     pre = torch.where(wide, 0.5, 1.0)[:, None]
     enc_offset = torch.where(wide, o * 0.5, o)[:, None]
