@@ -1,0 +1,317 @@
+"""`python -m benchmarks.planner [--device cpu|cuda] [--out DIR] [--quick]`: fastckpt.plan against stock checkpoint.
+
+Two workloads: the long-context stack (8 pre-LN GPT-2-style blocks, hidden 128, 2 heads of 64, batch
+2 x 2048 tokens, attention through the fused SDPA kernel) and the GPT-2 stack of benchmarks/workloads.py
+('gpt2'). For each, the planner measures its candidates once (fastckpt.planner.measure), then plans for
+budgets of 100%, 70%, 50% and 30% of stock torch.utils.checkpoint's peak measured here
+(benchmarks.harness.peak_bytes). Each feasible plan is applied and measured like the baselines: peak
+(harness.peak_bytes), median step time in interleaved rounds (harness.median_times), gradient error
+against plain training from the same seed (largest relative L2 over the parameters, and over all
+gradients at once). An infeasible budget's row says the smallest budget the planner found feasible.
+
+Targets (reported, not asserted): at 50% of stock's peak the plan fits (measured peak within +5% of the
+budget) at <= 1.05 x stock's time with gradient error <= 5e-2; at 100%, <= 0.85 x stock's time; the
+predicted peak within 10% of the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the CPU memory profiler quiet
+import torch  # noqa: E402
+import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
+
+import fastckpt  # noqa: E402
+from benchmarks.checkpoint import max_rel_l2  # noqa: E402
+from benchmarks.harness import median_times, peak_bytes, quiet_profiler_logs, write_csv  # noqa: E402
+from benchmarks.workloads import GPT2Stack, StackShape, Workload, workloads  # noqa: E402
+from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, measure  # noqa: E402
+
+BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of stock checkpoint's measured peak
+TARGETS = {"fit": 0.05, "half_time": 1.05, "half_error": 5e-2, "full_time": 0.85, "prediction": 0.10}
+
+LONG_CONTEXT = {
+    "full": StackShape(layers=8, dim=128, heads=2, batch=2, seq=2048),
+    "quick": StackShape(layers=4, dim=128, heads=2, batch=2, seq=1024),
+}
+
+
+def long_context(shape: StackShape) -> Workload:
+    """The issue's long-context stack: GPT-2-style blocks, attention dropout 0 so SDPA runs fused."""
+
+    def inputs(device: torch.device) -> tuple:
+        generator = torch.Generator().manual_seed(1)
+        return (torch.randn(shape.batch, shape.seq, shape.dim, generator=generator).to(device).requires_grad_(True),)
+
+    return Workload(
+        "long-context",
+        f"GPT-2-style blocks, {shape} (head dim {shape.dim // shape.heads}), dropout 0.1, attention 0 (fused SDPA)",
+        lambda device: GPT2Stack(shape, attn_dropout=0.0).to(device),
+        inputs,
+        lambda model, inputs: model(*inputs).float().pow(2).mean(),
+    )
+
+
+@dataclass
+class Row:
+    """One configuration of one workload: a baseline, a plan, or an infeasible budget."""
+
+    name: str
+    step: Callable[[], None] | None = None
+    budget: int | None = None
+    policies: list[str] | None = None
+    predicted_peak: int | None = None
+    predicted_seconds: float | None = None
+    note: str = ""
+
+
+def _step(workload: Workload, model: torch.nn.Module, inputs: tuple, sink: list[list]) -> Callable[[], None]:
+    """One forward and backward; gradients dropped after (as a training step's zero_grad would), copied to
+    sink[-1] first while `sink` is not empty."""
+    leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    parameters = list(model.parameters())
+
+    def step() -> None:
+        workload.loss(model, inputs).backward()
+        if sink:
+            sink[-1].extend(None if p.grad is None else p.grad.detach().clone() for p in parameters)
+        model.zero_grad(set_to_none=True)
+        for t in leaves:
+            t.grad = None
+
+    return step
+
+
+def _with_segment(model: torch.nn.Module, segment: Callable | None, step: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        model.segment = segment
+        try:
+            step()
+        finally:
+            model.segment = None
+
+    return run
+
+
+def _with_plan(plan: fastckpt.Plan, step: Callable[[], None]) -> Callable[[], None]:
+    # Applied around each call: every configuration shares the one model, so rounds can interleave them.
+    def run() -> None:
+        plan.apply()
+        try:
+            step()
+        finally:
+            plan.remove()
+
+    return run
+
+
+def _gradients(run: Callable[[], None], sink: list[list]) -> list:
+    """Parameter gradients of one step from a fixed seed (same dropout masks for every configuration)."""
+    sink.append([])
+    torch.manual_seed(1234)
+    try:
+        run()
+    finally:
+        grads = sink.pop()
+    return grads
+
+
+def _overall_rel_l2(grads: list, reference: list) -> float:
+    pairs = [(g, r) for g, r in zip(grads, reference, strict=True) if g is not None and r is not None]
+    num = sum(((g - r).float().norm() ** 2).item() for g, r in pairs)
+    den = sum((r.float().norm() ** 2).item() for _, r in pairs)
+    return (num / den) ** 0.5 if den else 0.0
+
+
+def _summary(policies: list[str]) -> str:
+    """'3 x int8, recompute' style: each policy once with its count, in first-use order."""
+    counts = Counter(policies)
+    return ", ".join(f"{counts[p]} x {p}" if counts[p] > 1 else p for p in dict.fromkeys(policies))
+
+
+def run_workload(
+    workload: Workload, device: torch.device, candidates: list[str], repeats: int, rounds: int
+) -> tuple[list[dict], Measurements]:
+    """Measure, plan every budget, and measure the plans and the baselines on one workload."""
+    model = workload.model(device)
+    inputs = workload.inputs(device)
+    sink: list[list] = []
+    step = _step(workload, model, inputs, sink)
+    stock_segment = lambda block, x: torch_checkpoint.checkpoint(block, x, use_reentrant=False)  # noqa: E731
+    stock = _with_segment(model, stock_segment, step)
+    step()  # warm-up before the stock peak: gradients and lazy initialisation
+    stock_peak = peak_bytes(stock, device)
+
+    start = time.perf_counter()
+    with quiet_profiler_logs():
+        measurements = measure(model, step, candidates=candidates, repeats=repeats)
+    measure_seconds = time.perf_counter() - start
+
+    rows = [Row("plain", step), Row("stock checkpoint", stock)]
+    for fraction in BUDGETS:
+        budget = int(fraction * stock_peak)
+        name = f"plan {fraction:.0%}"
+        try:
+            plan = measurements.plan(budget)
+        except ValueError:
+            smallest = measurements.smallest_feasible_budget()
+            rows.append(
+                Row(
+                    name,
+                    budget=budget,
+                    note=f"infeasible: smallest feasible {smallest / 2**20:.1f} MiB ({smallest / stock_peak:.0%})",
+                )
+            )
+            continue
+        rows.append(
+            Row(
+                name,
+                _with_plan(plan, step),
+                budget=budget,
+                policies=plan.policies,
+                predicted_peak=plan.predicted_peak,
+                predicted_seconds=plan.predicted_seconds,
+            )
+        )
+
+    runnable = {r.name: r.step for r in rows if r.step is not None}
+    times, failed = _median_times(runnable, device, rounds)
+    if failed:
+        raise RuntimeError(f"{workload.name}: {failed}")
+    peaks = {name: peak_bytes(run, device) for name, run in runnable.items()}
+    reference = _gradients(step, sink)
+    out = []
+    for r in rows:
+        result = {
+            "workload": workload.name,
+            "config": r.name,
+            "budget_MiB": r.budget / 2**20 if r.budget else float("nan"),
+            "policies": _summary(r.policies) if r.policies else r.note,
+            "peak_MiB": float("nan"),
+            "predicted_MiB": r.predicted_peak / 2**20 if r.predicted_peak else float("nan"),
+            "prediction_error": float("nan"),
+            "peak_x_stock": float("nan"),
+            "peak_x_budget": float("nan"),
+            "ms": float("nan"),
+            "predicted_ms": r.predicted_seconds * 1e3 if r.predicted_seconds else float("nan"),
+            "x_stock": float("nan"),
+            "x_plain": float("nan"),
+            "grad_rel_l2_max": float("nan"),
+            "grad_rel_l2_all": float("nan"),
+        }
+        if r.step is not None:
+            grads = _gradients(r.step, sink)
+            peak = peaks[r.name]
+            result.update(
+                peak_MiB=peak / 2**20,
+                peak_x_stock=peak / stock_peak,
+                ms=times[r.name] * 1e3,
+                x_stock=times[r.name] / times["stock checkpoint"],
+                x_plain=times[r.name] / times["plain"],
+                grad_rel_l2_max=max_rel_l2(grads, reference),
+                grad_rel_l2_all=_overall_rel_l2(grads, reference),
+            )
+            if r.budget:
+                result.update(peak_x_budget=peak / r.budget)
+            if r.predicted_peak:
+                result.update(prediction_error=(r.predicted_peak - peak) / peak)
+        out.append(result)
+    out[0]["measure_s"] = measure_seconds
+    return out, measurements
+
+
+def _median_times(steps: dict, device: torch.device, rounds: int) -> tuple[dict, dict]:
+    result = median_times(steps, device, 1, rounds)
+    return result if isinstance(result, tuple) else (result, {})
+
+
+def _print(workload: Workload, rows: list[dict], measurements: Measurements, measure_seconds: float) -> None:
+    print(f"\n{workload.name}: {workload.description}")
+    print(f"planner: {len(measurements.by_policy)} candidates measured in {measure_seconds:.1f} s")
+    print(measurements.table())
+    header = (
+        f"{'config':<18}{'budget':>8}{'peak':>8}{'pred':>8}{'pred err':>9}{'x stock':>8}{'x budget':>9}"
+        f"{'ms':>9}{'pred ms':>9}{'x stock':>8}{'x plain':>8}{'grad max':>10}{'grad all':>10}  policies"
+    )
+    print("MiB: budget, peak, pred; time: ms, x stock, x plain")
+    print(header)
+    for r in rows:
+        print(
+            f"{r['config']:<18}{r['budget_MiB']:>8.1f}{r['peak_MiB']:>8.1f}{r['predicted_MiB']:>8.1f}"
+            f"{r['prediction_error']:>+9.3f}{r['peak_x_stock']:>8.3f}{r['peak_x_budget']:>9.3f}{r['ms']:>9.1f}"
+            f"{r['predicted_ms']:>9.1f}{r['x_stock']:>8.3f}{r['x_plain']:>8.3f}{r['grad_rel_l2_max']:>10.2e}"
+            f"{r['grad_rel_l2_all']:>10.2e}  {r['policies']}"
+        )
+
+
+def _targets(rows: list[dict]) -> list[str]:
+    """The issue's targets, each met or not, for one workload's rows."""
+    by_name = {r["config"]: r for r in rows}
+    lines = []
+    half, full = by_name.get("plan 50%"), by_name.get("plan 100%")
+    if half and half["ms"] == half["ms"]:  # not NaN: the plan was feasible
+        fits = half["peak_x_budget"] <= 1 + TARGETS["fit"]
+        fast = half["x_stock"] <= TARGETS["half_time"]
+        exact = half["grad_rel_l2_max"] <= TARGETS["half_error"]
+        lines.append(
+            f"50%: peak {half['peak_x_budget']:.3f} x budget ({'met' if fits else 'NOT met'}), time "
+            f"{half['x_stock']:.3f} x stock ({'met' if fast else 'NOT met'}), grad {half['grad_rel_l2_max']:.1e} "
+            f"({'met' if exact else 'NOT met'})"
+        )
+    elif half:
+        lines.append(f"50%: NOT met ({half['policies']})")
+    if full and full["ms"] == full["ms"]:
+        fast = full["x_stock"] <= TARGETS["full_time"]
+        lines.append(f"100%: time {full['x_stock']:.3f} x stock ({'met' if fast else 'NOT met'})")
+    errors = [abs(r["prediction_error"]) for r in rows if r["prediction_error"] == r["prediction_error"]]
+    if errors:
+        worst = max(errors)
+        lines.append(f"prediction: worst error {worst:.1%} ({'met' if worst <= TARGETS['prediction'] else 'NOT met'})")
+    return lines
+
+
+def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
+    """Plan and measure both workloads at every budget; print the tables, write CSV to `out`."""
+    dev = torch.device(device)
+    size = "quick" if quick else "full"
+    chosen = [long_context(LONG_CONTEXT[size]), workloads(dev, size)["gpt2"]]
+    repeats, rounds = (1, 3) if quick else (2, 5)
+    threads = torch.get_num_threads() if dev.type == "cpu" else None
+    print(f"fastckpt {fastckpt.__version__} planner, torch {torch.__version__} on {device}", end="")
+    print(f" ({threads} threads)" if threads else f" ({torch.cuda.get_device_name(dev)})")
+    print(f"candidates: {', '.join(DEFAULT_CANDIDATES)}; {repeats} timed run(s) per candidate, plans timed over")
+    print(f"{rounds} interleaved rounds; budgets are fractions of stock torch.utils.checkpoint's measured peak")
+    every = []
+    for workload in chosen:
+        rows, measurements = run_workload(workload, dev, list(DEFAULT_CANDIDATES), repeats, rounds)
+        _print(workload, rows, measurements, rows[0]["measure_s"])
+        for line in _targets(rows):
+            print(f"  target {line}")
+        every += rows
+    if out:
+        for row in every:
+            row.setdefault("measure_s", float("nan"))
+        write_csv(every, out, f"planner_{dev.type}.csv")
+    return every
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.planner", description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default=None, help="folder for planner_<device>.csv")
+    parser.add_argument("--quick", action="store_true", help="smaller long-context stack, fewer runs")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA GPU is visible")
+    return args
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    main(arguments.device, arguments.out, arguments.quick)
