@@ -22,6 +22,7 @@ import functools
 import gc
 import os
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -118,7 +119,7 @@ def configs(device: torch.device, workload: Workload | None = None) -> list[Conf
         _fastckpt("recompute"),
         _fastckpt("recompute", use_reentrant=True, stock=STOCK_REENTRANT),
     ]
-    policies = ["save", "int8", "fp8", "int4", "int2", "recompute+int8"]
+    policies = ["int8", "fp8", "int4", "int2", "recompute+int8", "recompute:int8"]
     if device.type == "cuda":
         policies += ["offload", "int4+offload", "recompute+offload"]
     rows += [_fastckpt(p) for p in policies]
@@ -316,12 +317,14 @@ def main(
         + ("; glibc malloc keeps freed memory for reuse (as torch's CUDA caching allocator does)" if tuned else ""),
         f"peak: {method}",
         f"'x stock': vs {STOCK} ('fastckpt recompute reentrant': vs {STOCK_REENTRANT}); "
-        "* marks the Pareto front (no other row both faster and smaller)",
+        f"* marks the Pareto front: no other row both faster and smaller (rows with grad relL2 > "
+        f"{report.GRAD_ERROR_LIMIT:g} left out)",
     ]
     header = [f"{key}: {value}" for key, value in env.items()] + notes
     print("fastckpt benchmark: activation checkpointing alternatives, step time vs peak memory")
     print("\n".join("  " + line for line in header))
     print(f"results folder: {out}", flush=True)
+    run_start = time.perf_counter()
 
     all_rows: list[dict] = []
     markdown = ["# fastckpt benchmark", "", *[f"- {line}" for line in header], ""]
@@ -337,6 +340,7 @@ def main(
         candidates = [c for c in rows_here if isinstance(c, Config)]
         skipped = [c for c in rows_here if isinstance(c, Skipped)]
         total = len(candidates) * (2 + warmup + rounds)
+        start = time.perf_counter()
         with _progress(total, f"measuring {name}") as bar:
             tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
             results = measure_workload(workload, dev, candidates, warmup, rounds, tick)
@@ -351,13 +355,14 @@ def main(
         title = f"{name}: {workload.description}"
         subtitle = f"{env['device']}, torch {torch.__version__}, fastckpt {env['fastckpt']}, {env['date']}"
         png = report.plot(rows, title, subtitle, os.path.join(out, f"{name}.png"))
-        print(f"wrote {os.path.join(out, name + '.csv')} and {png}", flush=True)
+        seconds = time.perf_counter() - start
+        print(f"measured in {seconds:.0f} s; wrote {os.path.join(out, name + '.csv')} and {png}", flush=True)
         markdown += [f"## {name}", "", workload.description, "", report.markdown_table(rows), ""]
         markdown += [f"Skipped {s.name}: {s.reason}" for s in skipped]
     if all_rows:
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write("\n".join(markdown) + "\n")
-        print(f"\nwrote {os.path.join(out, 'results.md')}")
+        print(f"\nwrote {os.path.join(out, 'results.md')} ({time.perf_counter() - run_start:.0f} s in all)")
     if failures:
         raise SystemExit(f"{failures} configuration(s) failed; the others are reported above")
     return all_rows

@@ -255,6 +255,7 @@ def test_pareto_front_is_the_rows_nothing_beats_on_both():
         {"config": "slower and bigger", "ms_per_step": 15.0, "peak_MiB": 31.0},
         {"config": "int4", "ms_per_step": 11.0, "peak_MiB": 25.0},
         {"config": "failed", "ms_per_step": None, "peak_MiB": None},
+        {"config": "int2", "ms_per_step": 10.5, "peak_MiB": 20.0, "grad_rel_l2": 0.5},  # too lossy to count
     ]
     assert report.pareto(rows) == {"plain", "int4"}
 
