@@ -15,7 +15,7 @@ from fastckpt._extension import extension
 extension()  # the schemas below must be registered before their fake kernels
 
 # With 16-bit scale and offset per group these store 8.25, 4.5 and 2.5 bits per element
-# (DESIGN targets: 8.5, 4.5, 2.5); int8 affords the larger group, int4/int2 need 64 for accuracy.
+# (targets: 8.5, 4.5, 2.5); int8 affords the larger group, int4/int2 need 64 for accuracy.
 DEFAULT_GROUP_SIZE: dict[int, int] = {8: 128, 4: 64, 2: 64}
 # One bf16 power-of-two scale per 64 fp8 codes: 8.25 bits per element.
 FP8_DEFAULT_GROUP_SIZE = 64
