@@ -12,7 +12,8 @@ candidates interleaved round by round. From the marks, per candidate p and segme
     X_i(p)  backward level: peak during segment i's backward above L0 + K_1(p) + ... + K_i(p).
     T(p)    tail level: peak between the last segment's forward and its backward (the loss, the head)
             above L0 + sum of all K (attributed to the last segment's policy).
-    t_i(p)  seconds in segment i's forward and backward (its recomputation included).
+    t_i(p)  seconds in segment i's forward and backward (its recomputation included): the fastest of its
+            timed runs, then the median over segments that are the same block (see _segment_seconds).
 
 L0 (live at the first segment's start), the peak before it and the peak after the first segment's backward
 do not depend on the policies; the planner takes the largest value any candidate showed.
@@ -32,7 +33,8 @@ kept; it is exact while the front has at most _MAX_STATES states, and beyond tha
 states per byte bin (the one with the most room left and the fastest), which may miss a plan but never
 returns one above the budget. The same programme with "largest constraint so far" in place of time gives
 the smallest budget any assignment fits. Predicted step time: the candidates' median time outside the
-segments, plus the chosen t_i.
+segments, plus the chosen t_i (each the fastest of its timed runs, then the median over segments that are
+the same block).
 
 Budget: bytes the step may allocate above what is live before it (the same quantity as
 fastckpt.memory.peak_bytes), or a string "N%": N percent of the peak measured with every segment under
@@ -84,8 +86,8 @@ class CandidateMeasurement:
     post_peak: int  # peak after the first segment's backward (rest of the backward, optimizer, ...)
     tail_level: int  # T
     peak: int  # measured peak of the step
-    step_seconds: float  # median step time
-    outside_seconds: float  # median step time outside the segments
+    step_seconds: float  # fastest step time of the timed runs
+    outside_seconds: float  # fastest step time outside the segments
     bits_per_element: float  # stored bits per element kept after forward (nan: nothing stored through a codec)
 
 
@@ -121,7 +123,7 @@ class Measurements:
 
     @property
     def reference_seconds(self) -> float:
-        """The median step time with every segment under 'recompute'."""
+        """The fastest timed step with every segment under 'recompute'."""
         return self.by_policy[REFERENCE].step_seconds
 
     def budget_bytes(self, budget: int | str) -> int:
@@ -606,8 +608,9 @@ def _measure(
     result = {}
     for name in names:
         kept, forward, backward, _, _, _, tail, peak, bits = memory[name]
-        medians = [statistics.median(column) for column in zip(*samples[name], strict=True)]
-        per_segment, total = medians[:-1], medians[-1]
+        per_segment = _segment_seconds(segments, samples[name])
+        total = min(run[-1] for run in samples[name])
+        outside = min(run[-1] - sum(run[:-1]) for run in samples[name])
         result[name] = CandidateMeasurement(
             policy=name,
             segments=[SegmentCost(kept[i], forward[i], backward[i], per_segment[i]) for i in range(len(segments))],
@@ -617,10 +620,30 @@ def _measure(
             tail_level=tail,
             peak=peak,
             step_seconds=total,
-            outside_seconds=total - sum(per_segment),
+            outside_seconds=outside,
             bits_per_element=bits,
         )
     return result
+
+
+def _segment_seconds(segments: list[Segment], runs: list[list[float]]) -> list[float]:
+    """Each segment's time under one candidate, robust to a busy machine.
+
+    Another process only ever adds time, so a segment's time is its fastest run. Segments that are the same
+    block (same module type and parameter shapes) cost the same, so each gets the median over its kind: one
+    slow interval then moves no segment's estimate, and the solver does not pick between identical blocks
+    by noise.
+    """
+    fastest = [min(run[i] for run in runs) for i in range(len(segments))]
+    kinds: dict[tuple, list[int]] = {}
+    for i, segment in enumerate(segments):
+        kinds.setdefault(_signature(segment.module), []).append(i)
+    pooled = list(fastest)
+    for members in kinds.values():
+        typical = statistics.median(fastest[i] for i in members)
+        for i in members:
+            pooled[i] = typical
+    return pooled
 
 
 # ---- model and solver ------------------------------------------------------------------------------------

@@ -325,3 +325,16 @@ def test_memory_trace_counts_what_the_step_allocates():
     assert trace.peak == 12 * 2**20 and kept.numel() == 2**20
     with pytest.raises(ValueError, match="measures cpu and cuda devices, not 'meta'"):
         MemoryTrace("meta")
+
+
+def test_segment_times_take_the_fastest_run_and_pool_identical_blocks():
+    from fastckpt.planner import Segment, _segment_seconds
+
+    blocks = [Block(), Block(), Block(), nn.Linear(64, 64)]
+    segments = [Segment(str(i), nn.Module(), str(i), b) for i, b in enumerate(blocks)]
+    runs = [
+        [1.0, 9.0, 1.2, 5.0, 0.0],  # the second block was slowed by another process in this run
+        [1.1, 1.0, 3.0, 4.0, 0.0],
+    ]
+    # fastest runs: 1.0, 1.0, 1.2 for the identical blocks (median 1.0), 4.0 for the Linear of its own kind
+    assert _segment_seconds(segments, runs) == [1.0, 1.0, 1.0, 4.0]
