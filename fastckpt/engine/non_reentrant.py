@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointError
 
 from fastckpt.engine.debug import OpTrace, UnpackErrorCallback
@@ -271,7 +272,10 @@ def _recompute_hooks(frame: _Frame, gid: Any, storage: SegmentStorage | None = N
             else:
                 with torch.no_grad():
                     metadata = frame.metadata_fn(x)
-                packed = storage.pack(saved)  # the saved tensor itself: its identity dedups repeated saves
+                # The codec's own ops run outside the recomputation's dispatch modes: a selective-checkpoint
+                # context_fn replays only the forward's ops, and debug=True traces only the segment's.
+                with _disable_current_modes():
+                    packed = storage.pack(saved)  # the saved tensor itself: its identity dedups repeated saves
                 frame.recomputed[gid][handle] = _StoredRecomputed(storage, packed, metadata)
         if frame.early_stop and frame.recompute_count[gid] == len(frame.weak_holders):
             raise _StopRecompute
@@ -282,7 +286,10 @@ def _recompute_hooks(frame: _Frame, gid: Any, storage: SegmentStorage | None = N
     def unpack(packed: Any) -> torch.Tensor:
         # Reached only by a backward run inside the recomputation itself (torch.autograd.grad in the
         # segment): it gets the stored tensors decoded.
-        return storage.unpack(packed) if isinstance(packed, _Stored) else packed
+        if not isinstance(packed, _Stored):
+            return packed
+        with _disable_current_modes():
+            return storage.unpack(packed)
 
     return _InternalHooks(pack, unpack)
 
