@@ -281,6 +281,19 @@ def _reuse_freed_host_memory() -> bool:
     return _reuse_freed_host_memory()
 
 
+def _busy_warning() -> str | None:
+    """A warning when other processes keep the CPUs busy (times then spread and lengthen), else None."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load, cores = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= 0.5 * cores:
+        return None
+    return (
+        f"load average {load:.1f} on {cores} cores before the run: other processes are busy, so times will be "
+        "longer and noisier than on a quiet machine"
+    )
+
+
 def default_out() -> str:
     return os.path.join(DEFAULT_OUT, datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S"))
 
@@ -323,6 +336,10 @@ def main(
     header = [f"{key}: {value}" for key, value in env.items()] + notes
     print("fastckpt benchmark: activation checkpointing alternatives, step time vs peak memory")
     print("\n".join("  " + line for line in header))
+    busy = _busy_warning()
+    if busy:
+        print(f"  WARNING: {busy}")
+        header.append(f"WARNING: {busy}")
     print(f"results folder: {out}", flush=True)
     run_start = time.perf_counter()
 
@@ -360,9 +377,12 @@ def main(
         markdown += [f"## {name}", "", workload.description, "", report.markdown_table(rows), ""]
         markdown += [f"Skipped {s.name}: {s.reason}" for s in skipped]
     if all_rows:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
+        ending = f"{time.perf_counter() - run_start:.0f} s in all; load average at the end {load}"
+        markdown.append(f"Measured in {ending}.")
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write("\n".join(markdown) + "\n")
-        print(f"\nwrote {os.path.join(out, 'results.md')} ({time.perf_counter() - run_start:.0f} s in all)")
+        print(f"\nwrote {os.path.join(out, 'results.md')} ({ending})")
     if failures:
         raise SystemExit(f"{failures} configuration(s) failed; the others are reported above")
     return all_rows
