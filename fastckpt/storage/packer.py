@@ -31,6 +31,15 @@ def _is_parameter_like(t: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
+def dense_permutation(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The dimension order in which `t` is contiguous, when it is a permuted dense tensor (e.g. a transpose or
+    attention's (batch, heads, tokens, dim) view of (batch, tokens, heads, dim) memory); None otherwise."""
+    if t.is_contiguous():
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
 def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
     """Why `t` is kept as autograd would keep it, or None when the policy's storage applies."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
@@ -51,16 +60,25 @@ class _Stored:
     """One tensor as the policy keeps it: its tensors (plain, or a codec's payload), maybe on host.
 
     `version` is the saved tensor's version counter at pack when `tensors` alias it (kept or stored
-    plainly): an in-place change before backward is then caught at unpack, as autograd does.
+    plainly): an in-place change before backward is then caught at unpack, as autograd does. `layout`
+    is the inverse permutation that gives an encoded tensor back its strides (None: contiguous).
     """
 
-    __slots__ = ("encoded", "tensors", "on_host", "version", "__weakref__")
+    __slots__ = ("encoded", "tensors", "on_host", "version", "layout", "__weakref__")
 
-    def __init__(self, encoded: codecs.Encoded | None, tensors: tuple, on_host: bool, version: int | None) -> None:
+    def __init__(
+        self,
+        encoded: codecs.Encoded | None,
+        tensors: tuple,
+        on_host: bool,
+        version: int | None,
+        layout: tuple[int, ...] | None = None,
+    ) -> None:
         self.encoded = encoded
         self.tensors = tensors
         self.on_host = on_host
         self.version = version
+        self.layout = layout
 
     def check_version(self, policy: str) -> None:
         if self.version is None or self.tensors[0]._version == self.version:
@@ -120,16 +138,21 @@ class SegmentStorage:
     def _store(self, t: torch.Tensor, policy: Policy) -> _Stored:
         t = t.detach()
         codec = "mask" if t.dtype == torch.bool else policy.codec
-        encoded = codecs.encode(t, codec, policy.group_size, policy.stochastic_rounding) if codec else None
+        # A permuted dense tensor is encoded in its memory order (the codecs would copy it to row-major
+        # first) and permuted back at unpack, so the tensor handed back has the saved one's strides.
+        order = dense_permutation(t) if codec else None
+        source = t.permute(order) if order else t
+        encoded = codecs.encode(source, codec, policy.group_size, policy.stochastic_rounding) if codec else None
+        layout = tuple(order.index(d) for d in range(t.dim())) if order else None
         tensors = encoded.payload if encoded else (t,)
         nbytes = sum(_nbytes(x) for x in tensors)
         if codec:
             self.record.codecs.add(codec)
         if policy.offload and t.device.type != "cpu":
             self.record.host_bytes += nbytes
-            return _Stored(encoded, tuple(offload.to_host(x) for x in tensors), on_host=True, version=None)
+            return _Stored(encoded, tuple(offload.to_host(x) for x in tensors), True, None, layout)
         self.record.device_bytes += nbytes
-        return _Stored(encoded, tensors, on_host=False, version=None if encoded else t._version)
+        return _Stored(encoded, tensors, False, None if encoded else t._version, layout)
 
     def unpack(self, stored: _Stored) -> torch.Tensor:
         stored.check_version(self.record.policy)
@@ -139,5 +162,7 @@ class SegmentStorage:
             report.add(self.record)
         tensors = tuple(offload.to_device(x) for x in stored.tensors) if stored.on_host else stored.tensors
         tensor = codecs.decode(dataclasses.replace(stored.encoded, payload=tensors)) if stored.encoded else tensors[0]
+        if stored.layout is not None:
+            tensor = tensor.permute(stored.layout)
         self.record.unpack_seconds += time.perf_counter() - start
         return tensor
