@@ -35,7 +35,9 @@ class Policy:
         segment never holds all its activations in full precision; None keeps them plain (stock).
     offload: keep stored tensors in host memory until backward.
     group_size (None: the codec's default), stochastic_rounding, min_tensor_bytes, rule (tensor -> Policy,
-        policy string or None, a per-tensor override): tuning of the storage engine.
+        policy string or None, a per-tensor override): tuning of the storage engine. `rule` sees every
+        tensor the policy stores (the inputs under recompute, the saved tensors without it, and the
+        recomputed tensors under a recompute_codec); its answer's codec and offload apply to that tensor.
     """
 
     recompute: bool = True

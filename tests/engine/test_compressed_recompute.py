@@ -271,3 +271,13 @@ def test_selective_checkpoint_context_fn_composes():
         )
     )
     assert 0 < ((ours - plain).norm() / plain.norm()).item() <= 1e-2
+
+
+def test_rule_chooses_for_recomputed_tensors_too():
+    x = torch.randn(256, 512, requires_grad=True) * 1
+    keep_exact = Policy(recompute_codec="int8", rule=lambda t: "save" if t.dim() == 2 else None)
+    with fastckpt.track() as report:
+        fastckpt.checkpoint(lambda x: x.tanh().exp(), x, policy=keep_exact).sum().backward()
+    (recomputed,) = report.segments
+    assert recomputed.policy.endswith("(recomputed)") and recomputed.codecs == set()
+    assert recomputed.device_bytes == recomputed.raw_bytes == 2 * 256 * 512 * 4  # both kept exactly
