@@ -165,6 +165,18 @@ class Policy:
             rule=self.rule,
         )
 
+    def without_input_storage(self) -> Policy:
+        """This recompute policy with the segment's inputs kept as they are (codec and offload dropped), for a
+        caller that stores the inputs itself; the recomputation's storage stays."""
+        return Policy(
+            recompute=True,
+            recompute_codec=self.recompute_codec,
+            group_size=self.group_size,
+            stochastic_rounding=self.stochastic_rounding and self.recompute_codec in _INTEGER_CODECS,
+            min_tensor_bytes=self.min_tensor_bytes,
+            rule=self.rule,
+        )
+
     def __str__(self) -> str:
         head = f"recompute:{self.recompute_codec}" if self.recompute_codec else "recompute"
         tokens = ([head] if self.recompute else []) + ([self.codec] if self.codec else [])

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
-from fastckpt.policies import RECOMPUTE, Policy, resolve
+from fastckpt.policies import Policy, resolve
 from fastckpt.storage.accounting import SegmentRecord, current_report
 from fastckpt.storage.packer import SegmentStorage
 
@@ -255,7 +255,7 @@ def _checkpoint(function: Callable[..., Any], args: tuple, kwargs: dict, use_ree
         _check_partition_policy(policy)  # a default set by `with fastckpt.policy(...)` is only known now
     # One storage and one record per call: the policy's storage keeps the inputs (or, without recompute,
     # every activation); a record exists when something is stored, partitioned or profiled.
-    storage = None if policy.is_stock else SegmentStorage(policy)
+    storage = SegmentStorage(policy) if policy.stores_inputs or not policy.recompute else None
     record = storage.record if storage is not None else None
     partition = config.partition_activations and config.mp_size > 1
     if record is None and (partition or config.profile):
@@ -286,7 +286,11 @@ def _checkpoint(function: Callable[..., Any], args: tuple, kwargs: dict, use_ree
         # none for plain "recompute": so `hooks` sees exactly the inputs (tests/integrations checks this).
         with hooks:
             outputs = fastckpt.checkpoint(
-                function_with_kwargs, *args, use_reentrant=use_reentrant, policy=RECOMPUTE, **kwargs
+                function_with_kwargs,
+                *args,
+                use_reentrant=use_reentrant,
+                policy=policy.without_input_storage(),  # the inputs go through `hooks`
+                **kwargs,
             )
     segment.forward_done = True
     if segment.synchronize:

@@ -322,6 +322,17 @@ def test_recompute_int8_policy_and_checkpoint_in_cpu():
         assert [s.codecs for s in report.segments] == [set(), {"int8"}, {"int8"}]
 
 
+def test_compressed_recomputation_policy_reaches_the_recomputation():
+    expected = run_stack(None)
+    ckpt.configure(None, policy="recompute:int8")
+    with fastckpt.track() as report:
+        loss, grads = run_stack(ckpt.checkpoint)
+    assert torch.equal(loss, expected[0])
+    assert 0 < max_rel_l2(grads, expected[1]) <= GRAD_TOLERANCE  # > 0: the recomputed tensors went through int8
+    recomputed = [s for s in report.segments if s.policy.endswith("(recomputed)")]
+    assert len(recomputed) == 3 and all("int8" in s.codecs for s in recomputed)
+
+
 def test_storage_policy():
     expected = run_stack(None)
     ckpt.configure(None, policy="int8")
