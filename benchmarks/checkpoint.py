@@ -37,7 +37,7 @@ from benchmarks.workloads import WORKLOAD_NAMES, Workload, copy_model, transform
 STOCK = "torch non-reentrant"
 STOCK_REENTRANT = "torch reentrant"
 # (warm-up steps after the trial step, timed rounds) per size; sized with the shapes in workloads.py.
-ROUNDS = {"full": (1, 7), "quick": (0, 3), "smoke": (0, 1)}
+ROUNDS = {"full": (1, 9), "quick": (0, 5), "smoke": (0, 1)}
 DEFAULT_OUT = "bench-results"
 
 

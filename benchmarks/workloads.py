@@ -237,8 +237,8 @@ def transformers_missing() -> str | None:
 _SHAPES = {
     ("cpu", "full"): dict(
         cnn=32,
-        gpt2=StackShape(4, 256, 4, 4, 256),
-        gpt2_long=StackShape(2, 256, 4, 1, 2048),
+        gpt2=StackShape(6, 256, 4, 4, 256),
+        gpt2_long=StackShape(3, 256, 4, 1, 2048),
         llama=LlamaShape(4, 256, 688, 4, 2, 4096, 4, 256),
     ),
     ("cpu", "quick"): dict(
