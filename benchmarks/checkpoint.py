@@ -281,16 +281,42 @@ def _reuse_freed_host_memory() -> bool:
     return _reuse_freed_host_memory()
 
 
-def _busy_warning() -> str | None:
-    """A warning when other processes keep the CPUs busy (times then spread and lengthen), else None."""
-    if not hasattr(os, "getloadavg"):
+def _proc_stat() -> tuple[int, int] | None:
+    """(total, idle) CPU ticks of all CPUs since boot, from /proc/stat; None where there is none."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return sum(fields), fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    except (OSError, ValueError, IndexError):
         return None
-    load, cores = os.getloadavg()[0], os.cpu_count() or 1
-    if load <= 0.5 * cores:
+
+
+def _others_busy(since: tuple[tuple[int, int], float] | None) -> float | None:
+    """Fraction of all CPUs' time that other processes used since `since` (a _proc_stat() sample and this
+    process's CPU seconds then): the machine's busy time minus this process's own."""
+    now = _proc_stat()
+    if since is None or since[0] is None or now is None or now[0] <= since[0][0]:
+        return None
+    (total0, idle0), own0 = since
+    total, idle = now[0] - total0, now[1] - idle0
+    own = (time.process_time() - own0) * os.sysconf("SC_CLK_TCK")
+    return min(max((total - idle - own) / total, 0.0), 1.0)
+
+
+def _cpu_busy(seconds: float = 1.0) -> float | None:
+    """Fraction of all CPUs' time other processes used over the next `seconds` (this one sleeps)."""
+    since = (_proc_stat(), time.process_time())
+    time.sleep(seconds)
+    return _others_busy(since)
+
+
+def _busy_warning(busy: float | None) -> str | None:
+    """A warning when other processes kept the CPUs busy just before the run, else None."""
+    if busy is None or busy <= 0.25:
         return None
     return (
-        f"load average {load:.1f} on {cores} cores before the run: other processes are busy, so times will be "
-        "longer and noisier than on a quiet machine"
+        f"other processes kept the CPUs {busy:.0%} busy just before the run: times will be longer and noisier "
+        "than on a quiet machine (torch's threads wait for each other when one is descheduled)"
     )
 
 
@@ -333,15 +359,19 @@ def main(
         f"* marks the Pareto front: no other row both faster and smaller (rows with grad relL2 > "
         f"{report.GRAD_ERROR_LIMIT:g} left out)",
     ]
+    busy = _cpu_busy()
+    if busy is not None:
+        env["CPU busy before the run"] = f"{busy:.0%} (other processes, over 1 s)"
     header = [f"{key}: {value}" for key, value in env.items()] + notes
     print("fastckpt benchmark: activation checkpointing alternatives, step time vs peak memory")
     print("\n".join("  " + line for line in header))
-    busy = _busy_warning()
-    if busy:
-        print(f"  WARNING: {busy}")
-        header.append(f"WARNING: {busy}")
+    warning = _busy_warning(busy)
+    if warning:
+        print(f"  WARNING: {warning}")
+        header.append(f"WARNING: {warning}")
     print(f"results folder: {out}", flush=True)
     run_start = time.perf_counter()
+    run_cpu = (_proc_stat(), time.process_time())
 
     all_rows: list[dict] = []
     markdown = ["# fastckpt benchmark", "", *[f"- {line}" for line in header], ""]
@@ -378,7 +408,10 @@ def main(
         markdown += [f"Skipped {s.name}: {s.reason}" for s in skipped]
     if all_rows:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
-        ending = f"{time.perf_counter() - run_start:.0f} s in all; load average at the end {load}"
+        others = _others_busy(run_cpu)
+        ending = f"{time.perf_counter() - run_start:.0f} s in all; load average at the end {load}" + (
+            f"; other processes used {others:.0%} of the CPUs meanwhile" if others is not None else ""
+        )
         markdown.append(f"Measured in {ending}.")
         with open(os.path.join(out, "results.md"), "w") as f:
             f.write("\n".join(markdown) + "\n")

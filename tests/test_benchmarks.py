@@ -331,3 +331,9 @@ def test_op_and_baseline_are_both_timed():
     seconds, copy_seconds = _with_baseline(op, copy, torch.device("cpu"))
     assert seconds > 0 and copy_seconds > 0
     assert calls["op"] == calls["copy"] > 0  # the same number of blocks of each, alternating
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="reads /proc/stat")
+def test_other_processes_cpu_share_is_a_fraction():
+    busy = checkpoint._cpu_busy(0.05)
+    assert busy is not None and 0.0 <= busy <= 1.0
