@@ -371,17 +371,20 @@ def main(
     for name in selected:
         workload = catalogue[name]
         print(f"\n== {name}: {workload.description}", flush=True)
+        if workload.rounds_factor != 1:
+            print(f"(median of {rounds * workload.rounds_factor} rounds, not {rounds}: its steps are short)")
         if name == "llama" and transformers_missing():
             print(f"skipped: {transformers_missing()}")
             continue
         rows_here = configs(dev, workload)
         candidates = [c for c in rows_here if isinstance(c, Config)]
         skipped = [c for c in rows_here if isinstance(c, Skipped)]
-        total = len(candidates) * (2 + warmup + rounds)
+        workload_rounds = rounds * workload.rounds_factor
+        total = len(candidates) * (2 + warmup + workload_rounds)
         start = time.perf_counter()
         with _progress(total, f"measuring {name}") as bar:
             tick = (lambda: bar.update(1)) if bar is not None else (lambda: None)
-            results = measure_workload(workload, dev, candidates, warmup, rounds, tick)
+            results = measure_workload(workload, dev, candidates, warmup, workload_rounds, tick)
         rows = rows_of(workload, results)
         print(report.text_table(rows))
         for s in skipped:
@@ -395,7 +398,8 @@ def main(
         png = report.plot(rows, title, subtitle, os.path.join(out, f"{name}.png"))
         seconds = time.perf_counter() - start
         print(f"measured in {seconds:.0f} s; wrote {os.path.join(out, name + '.csv')} and {png}", flush=True)
-        markdown += [f"## {name}", "", workload.description, "", report.markdown_table(rows), ""]
+        rounds_note = f" Median of {workload_rounds} rounds." if workload.rounds_factor != 1 else ""
+        markdown += [f"## {name}", "", workload.description + "." + rounds_note, "", report.markdown_table(rows), ""]
         markdown += [f"Skipped {s.name}: {s.reason}" for s in skipped]
     if all_rows:
         load = " ".join(f"{x:.2f}" for x in os.getloadavg()) if hasattr(os, "getloadavg") else "unknown"
