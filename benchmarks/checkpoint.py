@@ -275,6 +275,12 @@ def _progress(total: int, desc: str):
     return tqdm(total=total, desc=desc, leave=False, file=sys.stderr, disable=None, bar_format=bar_format)
 
 
+def _reuse_freed_host_memory() -> bool:
+    from benchmarks.ops import _reuse_freed_host_memory
+
+    return _reuse_freed_host_memory()
+
+
 def _proc_stat() -> tuple[int, int] | None:
     """(total, idle) CPU ticks of all CPUs since boot, from /proc/stat; None where there is none."""
     try:
@@ -324,6 +330,7 @@ def main(
     quick: bool = False,
     selected: list[str] | None = None,
     smoke: bool = False,
+    tune_malloc: bool = True,
 ) -> list[dict]:
     """Measure the selected workloads (all by default); print the header, a table per workload, write a CSV
     and a PNG per workload and results.md to `out` (default bench-results/<timestamp>/). Exits with status
@@ -336,6 +343,7 @@ def main(
         raise ValueError(f"unknown workload(s) {', '.join(unknown)}; valid: {', '.join(WORKLOAD_NAMES)}")
     out = out or default_out()
     warmup, rounds = ROUNDS[size]
+    tuned = dev.type == "cpu" and tune_malloc and _reuse_freed_host_memory()
 
     env = report.environment(dev)
     method = (
@@ -344,7 +352,8 @@ def main(
         else "replayed torch.profiler allocation records: the most the step had allocated and not freed"
     )
     notes = [
-        f"times: median of {rounds} interleaved rounds after {1 + warmup} warm-up step(s) per configuration",
+        f"times: median of {rounds} interleaved rounds after {1 + warmup} warm-up step(s) per configuration"
+        + ("; glibc malloc keeps freed memory for reuse (as torch's CUDA caching allocator does)" if tuned else ""),
         f"peak: {method}",
         f"'x stock': vs {STOCK} ('fastckpt recompute reentrant': vs {STOCK_REENTRANT}); "
         f"* marks the Pareto front: no other row both faster and smaller (rows with grad relL2 > "
