@@ -276,6 +276,9 @@ def _progress(total: int, desc: str):
 
 
 def _reuse_freed_host_memory() -> bool:
+    """glibc keeps freed memory for reuse (no trimming, no fresh mappings; True when it applied). Without it
+    the interleaved rows leave the allocator in each other's state: on the quiet 2-core machine gpt2's plain
+    step took 285-290 ms interleaved against 252-258 ms run alone, and 255 ms interleaved with it."""
     from benchmarks.ops import _reuse_freed_host_memory
 
     return _reuse_freed_host_memory()
@@ -353,7 +356,11 @@ def main(
     )
     notes = [
         f"times: median of {rounds} interleaved rounds after {1 + warmup} warm-up step(s) per configuration"
-        + ("; glibc malloc keeps freed memory for reuse (as torch's CUDA caching allocator does)" if tuned else ""),
+        + (
+            "; glibc malloc keeps freed memory for reuse, so rows do not inherit each other's allocator state"
+            if tuned
+            else ""
+        ),
         f"peak: {method}",
         f"'x stock': vs {STOCK} ('fastckpt recompute reentrant': vs {STOCK_REENTRANT}); "
         f"* marks the Pareto front: no other row both faster and smaller (rows with grad relL2 > "
