@@ -164,8 +164,10 @@ def _label(row: dict) -> str:
 def plot(rows: list[dict], title: str, subtitle: str, path: str) -> str:
     """Peak memory vs step time, one labelled point per measured configuration, the Pareto front drawn;
     saved as a PNG at `path`."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:  # e.g. the GPU machine's image: the tables and CSVs still come out
+        return "no PNG (matplotlib is not installed)"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -37,6 +37,12 @@ def _smoke(name: str = "gpt2"):
     return workloads(CPU, "smoke")[name]
 
 
+def test_without_matplotlib_the_plot_is_skipped_not_fatal(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # makes `import matplotlib` fail
+    note = report.plot([], "t", "s", str(tmp_path / "x.png"))
+    assert "matplotlib is not installed" in note and not (tmp_path / "x.png").exists()
+
+
 def _by_config(rows):
     return {r["config"]: r for r in rows}
 
@@ -45,6 +51,7 @@ def _by_config(rows):
 
 
 def test_smoke_run_writes_csv_png_and_markdown_without_profiler_noise(capfd, tmp_path):
+    pytest.importorskip("matplotlib")  # the PNGs (the GPU image has none; CI does)
     rows = bench_main(["--smoke", "--workloads", "gpt2", "--out", str(tmp_path)])
     out, err = capfd.readouterr()
     for noise in PROFILER_NOISE:
@@ -74,6 +81,7 @@ def test_smoke_run_writes_csv_png_and_markdown_without_profiler_noise(capfd, tmp
 
 
 def test_default_results_folder_is_timestamped_under_bench_results(monkeypatch, tmp_path):
+    pytest.importorskip("matplotlib")  # the PNGs (the GPU image has none; CI does)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(checkpoint, "configs", lambda device, workload=None: [Config("plain", None, None, "plain")])
     bench_main(["--smoke", "--workloads", "seed-cnn"])
@@ -114,6 +122,7 @@ def test_failure_after_the_trial_step_is_isolated_too():
 
 
 def test_failed_row_in_table_csv_and_exit_status(monkeypatch, tmp_path, capsys):
+    pytest.importorskip("matplotlib")  # the PNGs (the GPU image has none; CI does)
     monkeypatch.setattr(checkpoint, "EXTRA_ROWS", [lambda workload, device: [Config("broken", _planted_failure)]])
     with pytest.raises(SystemExit, match="1 configuration\\(s\\) failed"):
         bench_main(["--smoke", "--workloads", "gpt2", "--out", str(tmp_path)])
