@@ -156,21 +156,16 @@ class Policy:
         """The storage policy of the tensors a recomputation saves (None: kept plain, as stock does)."""
         if self.recompute_codec is None:
             return None
-        return Policy(
-            recompute=False,
-            codec=self.recompute_codec,
-            group_size=self.group_size,
-            stochastic_rounding=self.stochastic_rounding and self.recompute_codec in _INTEGER_CODECS,
-            min_tensor_bytes=self.min_tensor_bytes,
-            rule=self.rule,
-        )
+        return Policy(recompute=False, codec=self.recompute_codec, **self._recompute_codec_tuning())
 
     def without_input_storage(self) -> Policy:
         """This recompute policy with the segment's inputs kept as they are (codec and offload dropped), for a
         caller that stores the inputs itself; the recomputation's storage stays."""
-        return Policy(
-            recompute=True,
-            recompute_codec=self.recompute_codec,
+        return Policy(recompute=True, recompute_codec=self.recompute_codec, **self._recompute_codec_tuning())
+
+    def _recompute_codec_tuning(self) -> dict:
+        """The tuning that carries over to a policy whose only codec is the recompute codec."""
+        return dict(
             group_size=self.group_size,
             stochastic_rounding=self.stochastic_rounding and self.recompute_codec in _INTEGER_CODECS,
             min_tensor_bytes=self.min_tensor_bytes,
