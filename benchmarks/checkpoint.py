@@ -278,7 +278,7 @@ def _progress(total: int, desc: str):
 def _reuse_freed_host_memory() -> bool:
     """glibc keeps freed memory for reuse (no trimming, no fresh mappings; True when it applied). Without it
     the interleaved rows leave the allocator in each other's state: on the quiet 2-core machine gpt2's plain
-    step took 285-290 ms interleaved against 252-258 ms run alone, and 255 ms interleaved with it."""
+    step took 285-290 ms interleaved against 252-258 ms run alone, and 255-262 ms interleaved with it."""
     from benchmarks.ops import _reuse_freed_host_memory
 
     return _reuse_freed_host_memory()
