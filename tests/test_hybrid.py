@@ -1,0 +1,238 @@
+"""fastckpt.hybrid.selective: selective checkpointing whose saved op outputs go through a codec."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import fastckpt
+from fastckpt import hybrid
+from fastckpt.memory import peak_bytes
+from tests.models import TransformerBlock
+
+aten = torch.ops.aten
+needs_hooks = pytest.mark.skipif(
+    not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14"
+)
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the aten ops (overload packets) run while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket] += 1
+        return func(*args, **(kwargs or {}))
+
+
+W1 = torch.randn(64, 128) / 8
+W2 = torch.randn(128, 64) / 11
+
+
+def chain(x: torch.Tensor) -> torch.Tensor:
+    return (torch.mm(x, W1).sin().cos() @ W2).tanh()
+
+
+def backward_ops(run) -> collections.Counter:
+    x = torch.randn(256, 64, requires_grad=True)
+    out = run(x)
+    with OpCounter() as counter:
+        out.sum().backward()
+    return counter.counts
+
+
+@needs_hooks
+def test_saved_outputs_are_stored_through_the_codec_and_not_recomputed():
+    with fastckpt.track() as report:
+        counts = backward_ops(lambda x: fastckpt.checkpoint(chain, x, context_fn=hybrid.selective([aten.mm])))
+    (kept,) = [s for s in report.segments if s.policy == "selective:int8"]
+    assert kept.tensors == 2 and kept.codecs == {"int8"}  # the two mm outputs
+    assert kept.raw_bytes == 256 * (128 + 64) * 4
+    assert 8 <= 8 * kept.device_bytes / kept.raw_elements <= 8.5
+    stock = backward_ops(lambda x: fastckpt.checkpoint(chain, x))
+    # Recomputation reruns the pointwise ops but takes the mm outputs from storage: only the backward's
+    # own matmuls (2 per mm) run, where stock also reruns the forward's 2.
+    assert counts[aten.sin] == stock[aten.sin] >= 1 and counts[aten.cos] == stock[aten.cos] >= 1
+    assert counts[aten.mm] == stock[aten.mm] - 2
+
+
+def _grads(model: nn.Module, x: torch.Tensor, segment) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(7)  # the same dropout masks in every run
+    h = x
+    for block in model:
+        h = segment(block, h)
+    h.pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _rel(grads, reference) -> float:
+    return max(((g - r).norm() / r.norm()).item() for g, r in zip(grads, reference, strict=True))
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    torch.manual_seed(0)
+    model = nn.Sequential(TransformerBlock(dim=64, heads=4), TransformerBlock(dim=64, heads=4)).train()
+    x = torch.randn(2, 128, 64)
+    return model, x, _grads(model, x, lambda block, h: block(h))
+
+
+@needs_hooks
+@pytest.mark.parametrize("policy", ["recompute", "recompute+int8", "recompute:int8"])
+def test_gradients_on_a_transformer_block_are_within_int8_error(blocks, policy):
+    model, x, plain = blocks
+    context_fn = hybrid.selective(store="int8")
+    with fastckpt.track() as report:
+        ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, policy=policy, context_fn=context_fn))
+    assert 0 < _rel(ours, plain) <= 1e-2  # int8 noise present, and small
+    labels = {s.policy for s in report.segments}
+    assert "selective:int8" in labels
+    if policy == "recompute:int8":
+        assert "recompute:int8 (recomputed)" in labels
+
+
+def test_store_save_is_torchs_selective_checkpointing_bit_for_bit(blocks):
+    model, x, plain = blocks
+    context_fn = hybrid.selective(store="save")
+    ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=context_fn))
+    assert all(torch.equal(g, r) for g, r in zip(ours, plain, strict=True))
+
+
+@needs_hooks
+def test_torch_checkpoint_takes_it_too(blocks):
+    model, x, plain = blocks
+    context_fn = hybrid.selective(store="int8")
+    with fastckpt.track() as report:
+        ours = _grads(
+            model, x, lambda block, h: torch_checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
+        )
+    assert 0 < _rel(ours, plain) <= 1e-2
+    assert [s.policy for s in report.segments] == ["selective:int8"] * 2
+
+
+@needs_hooks
+def test_a_policy_function_and_op_overloads_select_what_is_saved():
+    def only_first_mm(ctx, op, *args, **kwargs):
+        chosen = op is aten.mm.default and args[1] is W1
+        return CheckpointPolicy.MUST_SAVE if chosen else CheckpointPolicy.PREFER_RECOMPUTE
+
+    for save in (only_first_mm, [aten.mm.default]):
+        with fastckpt.track() as report:
+            backward_ops(lambda x, save=save: fastckpt.checkpoint(chain, x, context_fn=hybrid.selective(save)))
+        (kept,) = [s for s in report.segments if s.policy.startswith("selective")]
+        assert kept.tensors == (1 if save is only_first_mm else 2)
+
+
+@needs_hooks
+def test_kept_outputs_take_less_memory_than_torchs_selective_checkpointing():
+    torch.manual_seed(0)
+    model = nn.Sequential(*(TransformerBlock(dim=64, heads=4, dropout=0.0) for _ in range(3)))
+    x = torch.randn(2, 256, 64, requires_grad=True)
+
+    def step(context_fn):
+        def run():
+            h = x
+            for block in model:
+                h = fastckpt.checkpoint(block, h, context_fn=context_fn)
+            h.pow(2).mean().backward()
+            model.zero_grad(set_to_none=True)
+
+        return run
+
+    sac = peak_bytes(step(hybrid.selective(store="save")), "cpu")
+    int8 = peak_bytes(step(hybrid.selective(store="int8")), "cpu")
+    stock = peak_bytes(step(torch_checkpoint.noop_context_fn), "cpu")
+    assert stock < int8 < sac
+    assert sac - int8 > 0.5 * (sac - stock)  # most of what SAC keeps is gone
+
+
+@needs_hooks
+def test_the_callers_hooks_see_the_inputs_only():
+    seen = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(tuple(t.shape)) or t, lambda t: t):
+        x = torch.randn(256, 64, requires_grad=True)
+        out = fastckpt.checkpoint(chain, x, context_fn=hybrid.selective([aten.mm]))
+    assert seen == [(256, 64)]
+    out.sum().backward()  # and backward works after the caller's hooks are gone
+
+
+def test_create_selective_checkpoint_contexts_works_with_input_storage():
+    # torch's own SAC under a recompute policy that stores the inputs 8-bit: the exp is recomputed from them.
+    leaf = torch.randn(256, 64, requires_grad=True)
+
+    def fn(x):
+        return (x.exp() @ W1).sin()
+
+    (plain,) = torch.autograd.grad(fn(leaf * 1).sum(), leaf)
+    out = fastckpt.checkpoint(
+        fn,
+        leaf * 1,  # not a leaf: stored through the codec (a leaf stays as it is, as parameters do)
+        policy="recompute+int8",
+        context_fn=lambda: create_selective_checkpoint_contexts([aten.mm.default]),
+    )
+    (ours,) = torch.autograd.grad(out.sum(), leaf)
+    assert 0 < ((ours - plain).norm() / plain.norm()).item() <= 1e-2
+
+
+def test_wrap_keeps_the_state_dict_and_stores_through_the_codec():
+    torch.manual_seed(0)
+    block = TransformerBlock(dim=64, heads=4)
+    keys = block.state_dict().keys()
+    wrapped = hybrid.wrap(block, hybrid.selective(store="int8"), policy="recompute+int8")
+    assert isinstance(wrapped, fastckpt.CheckpointWrapper) and wrapped.state_dict().keys() == keys
+    with fastckpt.track() as report:
+        wrapped(torch.randn(2, 64, 64, requires_grad=True)).sum().backward()
+    assert {s.policy for s in report.segments} >= {"recompute+int8"} | (
+        {"selective:int8"} if hybrid._sac_honours_hooks() else set()
+    )
+    assert all(p.grad is not None for p in block.parameters())
+
+
+def test_parse_candidate():
+    assert str(hybrid.parse_candidate("selective:int4")) == "selective:int4"
+    assert hybrid.parse_candidate("recompute+int8") is None
+    with pytest.raises(ValueError, match="name a storage policy"):
+        hybrid.parse_candidate("selective:")
+
+
+@pytest.mark.parametrize(
+    "call, error, message",
+    [
+        (lambda: hybrid.selective(store="recompute"), ValueError, "store='recompute' recomputes"),
+        (lambda: hybrid.selective(store="int9"), ValueError, "store='int9'.*unknown token"),
+        (lambda: hybrid.selective(["mm"]), TypeError, "`save` holds \\['mm'\\]"),
+        (lambda: hybrid.selective(aten.mm.default.name()), TypeError, "`save` must be a list"),
+        (lambda: hybrid.selective([]), ValueError, "`save` is empty"),
+        (lambda: hybrid.wrap(nn.Linear(2, 2), lambda: None), TypeError, "`context_fn` must be"),
+        (lambda: hybrid.wrap(nn.Linear(2, 2), hybrid.selective(), policy="int8"), ValueError, "needs a recompute"),
+    ],
+)
+def test_bad_arguments_are_named(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+@needs_hooks
+def test_misuse_is_refused_with_the_argument_named():
+    x = torch.randn(256, 64, requires_grad=True)
+    context_fn = hybrid.selective([aten.mm])
+    with pytest.raises(ValueError, match="only supported when use_reentrant=False"):
+        fastckpt.checkpoint(chain, x, use_reentrant=True, context_fn=context_fn)
+    with pytest.raises(ValueError, match="policy='int8' stores tensors instead of recomputing.*context_fn"):
+        fastckpt.checkpoint(chain, x, policy="int8", context_fn=context_fn)
+    with pytest.raises(ValueError, match="respect_saved_tensors_hooks=False"):
+        fastckpt.checkpoint(chain, x, context_fn=context_fn, respect_saved_tensors_hooks=False)
+    forward, _ = context_fn()
+    with pytest.raises(RuntimeError, match="entered by a non-reentrant checkpoint"):
+        with forward:
+            chain(x)
