@@ -33,6 +33,7 @@ import fastckpt
 from benchmarks import report
 from benchmarks.harness import error_line, median_times, peak_bytes, synchronize, write_csv
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, copy_model, transformers_missing, workloads
+from fastckpt import hybrid
 
 STOCK = "torch non-reentrant"
 STOCK_REENTRANT = "torch reentrant"
@@ -71,6 +72,15 @@ def _fastckpt(policy: str, use_reentrant: bool = False, stock: str = STOCK) -> C
     name = f"fastckpt {policy}" + (" reentrant" if use_reentrant else "")
     function = functools.partial(fastckpt.checkpoint, policy=policy, use_reentrant=use_reentrant)
     return Config(name, function, stock, "fastckpt", policy, use_reentrant)
+
+
+def _fastckpt_selective(store: str) -> Config | Skipped:
+    """fastckpt.hybrid.selective: torch's selective checkpointing (same ops as its row) with the saved
+    outputs kept through `store`, the rest recomputed."""
+    if not hybrid._sac_honours_hooks():
+        return Skipped(f"fastckpt selective:{store}", f"torch {torch.__version__}'s SAC bypasses saved-tensor hooks")
+    context_fn = hybrid.selective(_selective_ops(), store=store)
+    return Config(f"fastckpt {context_fn}", functools.partial(fastckpt.checkpoint, context_fn=context_fn))
 
 
 def _selective_ops() -> list:
@@ -123,6 +133,7 @@ def configs(device: torch.device, workload: Workload | None = None) -> list[Conf
     if device.type == "cuda":
         policies += ["offload", "int4+offload", "recompute+offload"]
     rows += [_fastckpt(p) for p in policies]
+    rows.append(_fastckpt_selective("int8"))
     for provider in EXTRA_ROWS:
         rows += provider(workload, device)
     return rows

@@ -54,6 +54,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from fastckpt import hybrid
 from fastckpt.api import CheckpointWrapper, wrap
 from fastckpt.memory import MemoryTrace
 from fastckpt.policies import Policy
@@ -164,7 +165,7 @@ class Measurements:
         return _predicted_seconds(self.by_policy, self._check(policies))
 
     def _check(self, policies: Sequence[str]) -> list[str]:
-        policies = [NONE if p in (None, NONE) else str(Policy.parse(p)) for p in policies]
+        policies = [_name(p) for p in policies]
         if len(policies) != len(self.segments):
             raise ValueError(f"{len(self.segments)} policies needed (one per segment), got {len(policies)}")
         unknown = sorted({p for p in policies if p not in self.by_policy})
@@ -219,8 +220,9 @@ class Plan:
                     "applied, or the model changed); measure again"
                 )
         for segment, policy in zip(self.segments, self.policies, strict=True):
-            if policy != NONE:
-                setattr(segment.parent, segment.attribute, wrap(segment.module, policy))
+            runner = _runner(segment.module, policy)
+            if runner is not segment.module:
+                setattr(segment.parent, segment.attribute, runner)
         self.applied = True
         return self.model
 
@@ -265,7 +267,9 @@ def plan(
     `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate
     above what is live before it, or "N%" of stock checkpointing's peak; the segments are the submodules
     `check_fn` selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical
-    blocks); `candidates` are policy strings or 'none' (default: DEFAULT_CANDIDATES). Runs step()
+    blocks); `candidates` are policy strings, 'none', or 'selective:<store>' (fastckpt.hybrid.selective: the
+    outputs of matmuls and attention kept through <store>, the rest recomputed) (default: DEFAULT_CANDIDATES,
+    which leaves 'selective:int8' out: on CPU it measured slower and larger than 'int8'). Runs step()
     2 + len(candidates) * (1 + repeats) times. ValueError if no assignment fits, naming the smallest budget.
     """
     _check_budget(budget)
@@ -334,24 +338,41 @@ def _candidate_names(candidates: Iterable[str | Policy] | None) -> list[str]:
         raise TypeError("plan: `candidates` must be a list of policies, e.g. ['none', 'recompute', 'int8']")
     names = []
     for candidate in candidates:
-        if candidate is None or candidate == NONE:
-            name = NONE
-        else:
-            try:
-                policy = Policy.parse(candidate)
-            except (TypeError, ValueError) as error:
-                raise ValueError(f"plan: candidate {candidate!r}: {error} (or '{NONE}' for no checkpoint)") from None
-            if policy.rule is not None:
-                raise ValueError(
-                    f"plan: candidate {candidate!r} has a per-tensor rule; the planner takes policy strings"
-                )
-            name = str(policy)
+        try:
+            name = _name(candidate)
+        except (TypeError, ValueError) as error:
+            raise ValueError(
+                f"plan: candidate {candidate!r}: {error} (or '{NONE}' for no checkpoint, "
+                f"'{hybrid.PREFIX}<codec>' for selective checkpointing)"
+            ) from None
+        if isinstance(candidate, Policy) and candidate.rule is not None:
+            raise ValueError(f"plan: candidate {candidate!r} has a per-tensor rule; the planner takes policy strings")
         if name in names:
             raise ValueError(f"plan: candidate {candidate!r} is listed twice (as {name!r})")
         names.append(name)
     if not names:
         raise ValueError("plan: `candidates` is empty")
     return names
+
+
+def _name(candidate: str | Policy | None) -> str:
+    """A candidate's canonical name: 'none', a policy string, or 'selective:<store>' (fastckpt.hybrid)."""
+    if candidate is None or candidate == NONE:
+        return NONE
+    selective = hybrid.parse_candidate(candidate)
+    if selective is not None:
+        return str(selective)
+    return str(Policy.parse(candidate))
+
+
+def _runner(module: nn.Module, name: str) -> nn.Module:
+    """`module` as candidate `name` runs it: itself ('none'), or wrapped by fastckpt."""
+    if name == NONE:
+        return module
+    selective = hybrid.parse_candidate(name)
+    if selective is not None:
+        return hybrid.wrap(module, selective)
+    return wrap(module, name)
 
 
 def _find_segments(model: nn.Module, check_fn: Callable[[nn.Module], bool] | None) -> list[Segment]:
@@ -449,7 +470,7 @@ class _Instrumented:
         self.calls = [0] * len(segments)
         self.installed = []
         for index, segment in enumerate(segments):
-            runner = segment.module if policy == NONE else wrap(segment.module, policy)
+            runner = _runner(segment.module, policy)
             if runner is not segment.module:
                 setattr(segment.parent, segment.attribute, runner)
             self.installed.append(runner)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastckpt
+from fastckpt import hybrid
 from fastckpt.api import CheckpointWrapper
 from fastckpt.memory import MemoryTrace, peak_bytes
 from fastckpt.planner import (
@@ -175,6 +176,29 @@ def test_fastckpt_plan_in_one_call():
     assert not plan.applied and all(isinstance(b, Block) for b in model.blocks)  # measuring left the model as it was
 
 
+@pytest.mark.skipif(not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14")
+def test_selective_candidate_is_measured_planned_and_applied():
+    model, step = make(layers=3)
+    measurements = measure(model, step, candidates=["recompute", "selective:int8", "int8"], repeats=1)
+    selective, stock = measurements.by_policy["selective:int8"], measurements.by_policy["recompute"]
+    # It keeps the two matmul outputs per block 8-bit (more than recompute's input, less than int8's four).
+    assert 7.5 < selective.bits_per_element < 8.5
+    assert all(s.kept_bytes > r.kept_bytes for s, r in zip(selective.segments, stock.segments, strict=True))
+    assert measurements.predict_peak(["selective:int8"] * 3) == selective.peak
+    plan = measurements.plan(selective.peak)
+    forced = Measurements(model, measurements.segments, ["selective:int8"], measurements.by_policy).plan(selective.peak)
+    forced.apply()
+    try:
+        assert all(isinstance(b, hybrid.SelectiveWrapper) for b in model.blocks)
+        with fastckpt.track() as report:
+            step()
+        assert [s.policy for s in report.segments] == ["selective:int8"] * 3
+        assert peak_bytes(step) == forced.predicted_peak
+    finally:
+        forced.remove()
+    assert plan.predicted_peak <= selective.peak
+
+
 def test_check_fn_chooses_the_segments():
     model, step = make(layers=2)
     measurements = measure(model, step, check_fn=lambda m: isinstance(m, Block), candidates=["recompute"], repeats=1)
@@ -194,6 +218,7 @@ def test_check_fn_chooses_the_segments():
         ({"budget": 1.5}, TypeError, "must be bytes"),
         ({"budget": True}, TypeError, "must be bytes"),
         ({"candidates": ["int5"]}, ValueError, r"candidate 'int5'.*unknown token 'int5'.*or 'none'"),
+        ({"candidates": ["selective:recompute"]}, ValueError, r"candidate 'selective:recompute'.*store='recompute'"),
         ({"candidates": ["int8", "int8"]}, ValueError, "listed twice"),
         ({"candidates": ["recompute", "recompute+"]}, ValueError, "unknown token ''"),
         ({"candidates": []}, ValueError, "`candidates` is empty"),
