@@ -106,6 +106,7 @@ class _Frame:
         self.on_unpack_error: UnpackErrorCallback | None = on_unpack_error
         self.input_tree: FlatTree | None = None
         self.input_saver: Any = None
+        self.input_index: list[int] = []  # per tensor input: its position among the distinct saved tensors
         self.input_saver_output: torch.Tensor | None = None
         self.weak_holders: list[weakref.ref[_Holder]] = []
         self.forward_metadata: list[Any] = []
@@ -117,15 +118,23 @@ class _Frame:
 
     def save_inputs(self, inputs: FlatTree) -> None:
         self.input_tree = inputs
+        # Each distinct tensor is saved once and handed back at every position it held: a tensor passed
+        # twice (attention's query, key and value) must come back as one object, or the recomputation may
+        # take another path than the forward did (MultiheadAttention checks `query is key`) whenever the
+        # saved inputs are unpacked as new tensors (stored through a codec).
+        first: dict[int, int] = {}
+        self.input_index = [first.setdefault(id(t), len(first)) for t in inputs.tensors]
+        unique = list({id(t): t for t in inputs.tensors}.values())
         anchor = torch.empty(0, requires_grad=True)
         # Keep the node's (empty) output: some torch releases (2.11) free a custom Function's saved
         # tensors as soon as all its outputs are gone.
-        self.input_saver_output = _SaveInputs.apply(anchor, *self.input_tree.tensors)
+        self.input_saver_output = _SaveInputs.apply(anchor, *unique)
         self.input_saver = self.input_saver_output.grad_fn
         self.input_tree.tensors = []  # the saver node's SavedVariables own them from here on
 
     def inputs(self) -> tuple[tuple, dict]:
-        return self.input_tree.rebuild(self.input_saver.saved_tensors)
+        saved = self.input_saver.saved_tensors
+        return self.input_tree.rebuild([saved[i] for i in self.input_index])
 
     def check_recomputed(self, gid: Any) -> None:
         if self.ignore_count_mismatch:
