@@ -1,10 +1,13 @@
-"""`python -m benchmarks [checkpoint|ops|train] [--device cpu|cuda] [--out DIR] [--quick]`.
+"""`python -m benchmarks [checkpoint|planner|ops|train] [--device cpu|cuda] [--out DIR] [--quick]`.
 
 checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
   reentrant, selective), torch's save_on_cpu and DeepSpeed's checkpoint, on the seed CNN, GPT-2-style
   stacks (short and 2048-token context) and a small Hugging Face Llama; a table, a CSV and a plot per
-  workload in --out (default bench-results/<timestamp>/). --workloads picks some, --smoke runs tiny
-  shapes once (checks that every row runs; its numbers mean nothing).
+  workload in --out (default bench-results/<timestamp>/). Then the planner section: fastckpt.plan at
+  100/70/50/30% of stock checkpoint's peak on a long-context stack and the GPT-2 stack (its table goes to
+  results.md too). --workloads picks some (of the workloads and 'planner'), --smoke runs tiny shapes once
+  (checks that every row runs; its numbers mean nothing).
+planner: the planner section alone (as `python -m benchmarks.planner`).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).
 train: final loss of a small GPT trained on real text, per storage policy, against plain training.
 """
@@ -20,18 +23,25 @@ import torch  # noqa: E402
 
 from benchmarks.workloads import WORKLOAD_NAMES  # noqa: E402
 
-MODES = {"checkpoint": "benchmarks.checkpoint", "ops": "benchmarks.ops", "train": "benchmarks.train"}
+MODES = {
+    "checkpoint": "benchmarks.checkpoint",
+    "planner": "benchmarks.planner",
+    "ops": "benchmarks.ops",
+    "train": "benchmarks.train",
+}
+PLANNER = "planner"  # the planner section of the checkpoint benchmark, selectable like a workload
+SECTIONS = (*WORKLOAD_NAMES, PLANNER)
 
 
 def _workload_list(text: str) -> list[str]:
-    """argparse type of --workloads: comma-separated names, each one of WORKLOAD_NAMES."""
+    """argparse type of --workloads: comma-separated names, each one of SECTIONS (workloads, planner)."""
     names = [name.strip() for name in text.split(",") if name.strip()]
     if not names:
-        raise argparse.ArgumentTypeError(f"no workload named; valid: {', '.join(WORKLOAD_NAMES)}")
-    unknown = [name for name in names if name not in WORKLOAD_NAMES]
+        raise argparse.ArgumentTypeError(f"no workload named; valid: {', '.join(SECTIONS)}")
+    unknown = [name for name in names if name not in SECTIONS]
     if unknown:
         raise argparse.ArgumentTypeError(
-            f"unknown workload {', '.join(map(repr, unknown))}; valid: {', '.join(WORKLOAD_NAMES)}"
+            f"unknown workload {', '.join(map(repr, unknown))}; valid: {', '.join(SECTIONS)}"
         )
     return names
 
@@ -52,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=_workload_list,
         action="extend",
         metavar="NAME[,NAME...]",
-        help=f"checkpoint only: which workloads, of {', '.join(WORKLOAD_NAMES)} (default: all)",
+        help=f"checkpoint only: which workloads, of {', '.join(SECTIONS)} (default: all)",
     )
     parser.add_argument("--smoke", action="store_true", help="checkpoint only: tiny shapes, one round")
     args = parser.parse_args(argv)
@@ -72,11 +82,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     module = importlib.import_module(MODES[args.mode])
-    if args.mode == "checkpoint":
-        return module.main(
-            device=args.device, out=args.out, quick=args.quick, selected=args.workloads, smoke=args.smoke
-        )
-    return module.main(device=args.device, out=args.out, quick=args.quick)
+    if args.mode != "checkpoint":
+        return module.main(device=args.device, out=args.out, quick=args.quick)
+    selected = args.workloads or list(SECTIONS)
+    workload_names = [name for name in selected if name != PLANNER]
+    out = args.out or module.default_out()
+    rows: list[dict] = []
+    failed: SystemExit | None = None
+    if workload_names:
+        try:
+            rows = module.main(device=args.device, out=out, quick=args.quick, selected=workload_names, smoke=args.smoke)
+        except SystemExit as exit_status:  # failed rows: reported, and the planner section still runs
+            failed = exit_status
+    if PLANNER in selected:
+        planner = importlib.import_module(MODES[PLANNER])
+        print(f"\n== {PLANNER}: fastckpt.plan at fractions of stock checkpoint's peak", flush=True)
+        results_md = os.path.join(out, "results.md")
+        rows += planner.main(args.device, out, quick=args.quick, smoke=args.smoke, results_md=results_md)
+    if failed is not None:
+        raise failed
+    return rows
 
 
 if __name__ == "__main__":

@@ -1,5 +1,8 @@
 """`python -m benchmarks.planner [--device cpu|cuda] [--out DIR] [--quick]`: fastckpt.plan against stock checkpoint.
 
+Also the last section of `python -m benchmarks` (`--workloads planner` runs it alone), which appends its
+table to that run's results.md.
+
 Two workloads: the long-context stack (8 pre-LN GPT-2-style blocks, hidden 128, 2 heads of 64, batch
 2 x 2048 tokens, attention through the fused SDPA kernel) and the GPT-2 stack of benchmarks/workloads.py
 ('gpt2'). For each, the planner measures its candidates once (fastckpt.planner.measure), then plans for
@@ -30,6 +33,7 @@ import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
 import fastckpt  # noqa: E402
 from benchmarks.checkpoint import max_rel_l2  # noqa: E402
 from benchmarks.harness import median_times, peak_bytes, quiet_profiler_logs, write_csv  # noqa: E402
+from benchmarks.report import fmt, missing  # noqa: E402
 from benchmarks.workloads import GPT2Stack, StackShape, Workload, workloads  # noqa: E402
 from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, measure  # noqa: E402
 
@@ -39,7 +43,10 @@ TARGETS = {"fit": 0.05, "half_time": 1.05, "half_error": 5e-2, "full_time": 0.85
 LONG_CONTEXT = {
     "full": StackShape(layers=8, dim=128, heads=2, batch=2, seq=2048),
     "quick": StackShape(layers=4, dim=128, heads=2, batch=2, seq=1024),
+    "smoke": StackShape(layers=3, dim=32, heads=2, batch=1, seq=256),
 }
+# (timed runs per candidate while measuring, interleaved rounds timing the plans) per size
+RUNS = {"full": (2, 5), "quick": (1, 3), "smoke": (1, 1)}
 
 
 def long_context(shape: StackShape) -> Workload:
@@ -241,13 +248,13 @@ def _print(workload: Workload, rows: list[dict], measurements: Measurements, mea
     )
     print("MiB: budget, peak, pred; time: ms, x stock, x plain")
     print(header)
-    for r in rows:
-        print(
-            f"{r['config']:<18}{r['budget_MiB']:>8.1f}{r['peak_MiB']:>8.1f}{r['predicted_MiB']:>8.1f}"
-            f"{r['prediction_error']:>+9.3f}{r['peak_x_stock']:>8.3f}{r['peak_x_budget']:>9.3f}{r['ms']:>9.1f}"
-            f"{r['predicted_ms']:>9.1f}{r['x_stock']:>8.3f}{r['x_plain']:>8.3f}{r['grad_rel_l2_max']:>10.2e}"
-            f"{r['grad_rel_l2_all']:>10.2e}  {r['policies']}"
-        )
+    columns = [("budget_MiB", 8, ".1f"), ("peak_MiB", 8, ".1f"), ("predicted_MiB", 8, ".1f"),
+               ("prediction_error", 9, "+.3f"), ("peak_x_stock", 8, ".3f"), ("peak_x_budget", 9, ".3f"),
+               ("ms", 9, ".1f"), ("predicted_ms", 9, ".1f"), ("x_stock", 8, ".3f"), ("x_plain", 8, ".3f"),
+               ("grad_rel_l2_max", 10, ".2e"), ("grad_rel_l2_all", 10, ".2e")]  # fmt: skip
+    for r in rows:  # blanks where a value does not apply (an infeasible budget's row)
+        cells = "".join(f"{fmt(r[key], spec):>{width}}" for key, width, spec in columns)
+        print(f"{r['config']:<18}{cells}  {r['policies']}")
 
 
 def _targets(rows: list[dict]) -> list[str]:
@@ -276,12 +283,40 @@ def _targets(rows: list[dict]) -> list[str]:
     return lines
 
 
-def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
-    """Plan and measure both workloads at every budget; print the tables, write CSV to `out`."""
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table, each workload's target lines after it."""
+    lines = [
+        "| workload | config | budget MiB | peak MiB (predicted) | x budget | x stock time | x plain time | grad "
+        "relL2 | policies |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    by_workload: dict[str, list[dict]] = {}
+    for r in rows:
+        by_workload.setdefault(r["workload"], []).append(r)
+        predicted = f" ({fmt(r['predicted_MiB'], '.1f')})" if not missing(r["predicted_MiB"]) else ""
+        lines.append(
+            f"| {r['workload']} | {r['config']} | {fmt(r['budget_MiB'], '.1f')} | {fmt(r['peak_MiB'], '.1f')}"
+            f"{predicted} | {fmt(r['peak_x_budget'], '.3f')} | {fmt(r['x_stock'], '.3f')} | "
+            f"{fmt(r['x_plain'], '.3f')} | {fmt(r['grad_rel_l2_max'], '.1e')} | {r['policies']} |"
+        )
+    for name, workload_rows in by_workload.items():
+        lines += [""] + [f"- {name}: target {line}" for line in _targets(workload_rows)]
+    return "\n".join(lines)
+
+
+def main(
+    device: str = "cpu",
+    out: str | None = None,
+    quick: bool = False,
+    smoke: bool = False,
+    results_md: str | None = None,
+) -> list[dict]:
+    """Plan and measure both workloads at every budget; print the tables, write CSV to `out` and append the
+    table to the Markdown file `results_md` (created if missing) when given."""
     dev = torch.device(device)
-    size = "quick" if quick else "full"
+    size = "smoke" if smoke else "quick" if quick else "full"
     chosen = [long_context(LONG_CONTEXT[size]), workloads(dev, size)["gpt2"]]
-    repeats, rounds = (1, 3) if quick else (2, 5)
+    repeats, rounds = RUNS[size]
     threads = torch.get_num_threads() if dev.type == "cpu" else None
     print(f"fastckpt {fastckpt.__version__} planner, torch {torch.__version__} on {device}", end="")
     print(f" ({threads} threads)" if threads else f" ({torch.cuda.get_device_name(dev)})")
@@ -298,6 +333,12 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
         for row in every:
             row.setdefault("measure_s", float("nan"))
         write_csv(every, out, f"planner_{dev.type}.csv")
+    if results_md:
+        start = "" if os.path.exists(results_md) else "# fastckpt benchmark\n"
+        with open(results_md, "a") as f:
+            f.write(
+                f"{start}\n## planner: fastckpt.plan at fractions of stock checkpoint's peak\n\n{markdown(every)}\n"
+            )
     return every
 
 

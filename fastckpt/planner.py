@@ -185,7 +185,7 @@ class Measurements:
                 f"{name:<24}{m.peak / 2**20:>10.2f}{m.step_seconds * 1e3:>10.1f}"
                 f"{sum(c.kept_bytes for c in m.segments) / n / 2**20:>14.2f}"
                 f"{sum(c.backward_level for c in m.segments) / n / 2**20:>13.2f}"
-                f"{sum(c.seconds for c in m.segments) / n * 1e3:>9.1f}{m.bits_per_element:>11.2f}"
+                f"{sum(c.seconds for c in m.segments) / n * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
             )
         return "\n".join(lines)
 
@@ -243,7 +243,7 @@ class Plan:
             cost = m.segments[index]
             lines.append(
                 f"{segment.name:<24}{policy:<22}{cost.kept_bytes / 2**20:>10.2f}{cost.backward_level / 2**20:>10.2f}"
-                f"{cost.seconds * 1e3:>9.1f}{m.bits_per_element:>11.2f}"
+                f"{cost.seconds * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
             )
         lines.append(
             f"predicted peak {self.predicted_peak / 2**20:.2f} MiB (budget {self.budget / 2**20:.2f} MiB, stock "
@@ -251,6 +251,11 @@ class Plan:
             f"{self.predicted_seconds * 1e3:.1f} ms (stock {self.measurements.reference_seconds * 1e3:.1f} ms)"
         )
         return "\n".join(lines)
+
+
+def _bits(bits: float) -> str:
+    """Bits per element for a table: blank where nothing went through a codec."""
+    return "" if math.isnan(bits) else f"{bits:.2f}"
 
 
 def plan(

@@ -7,6 +7,7 @@ import math
 import torch
 
 from benchmarks import planner as bench
+from benchmarks.__main__ import main as bench_main
 from benchmarks.workloads import StackShape
 
 
@@ -28,3 +29,35 @@ def test_rows_and_targets_on_a_tiny_stack():
     assert set(measurements.by_policy) == set(candidates)
     assert any(line.startswith("100%: time") for line in bench._targets(rows))
     assert bench._summary(["int8", "int8", "recompute", "int8"]) == "3 x int8, recompute"
+
+
+def test_planner_section_of_python_m_benchmarks(tmp_path, capsys):
+    rows = bench_main(["--smoke", "--workloads", "planner", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert [(r["workload"], r["config"]) for r in rows] == [
+        (workload, config)
+        for workload in ("long-context", "gpt2")
+        for config in ("plain", "stock checkpoint", "plan 100%", "plan 70%", "plan 50%", "plan 30%")
+    ]
+    assert "== planner: fastckpt.plan" in out and "target 100%: time" in out and "nan" not in out.lower()
+    for r in rows:  # every budget either measured or said infeasible, with the smallest feasible one
+        assert (r["ms"] > 0) != r["policies"].startswith("infeasible: smallest feasible"), r
+    markdown = (tmp_path / "results.md").read_text()
+    assert markdown.startswith("# fastckpt benchmark") and "## planner: fastckpt.plan" in markdown
+    assert "| long-context | plan 50% |" in markdown and "- gpt2: target 100%: time" in markdown
+    assert "nan" not in markdown.lower()
+    assert (tmp_path / "planner_cpu.csv").exists()
+
+
+def test_planner_section_follows_the_workloads_in_results_md(tmp_path, monkeypatch):
+    from benchmarks import checkpoint
+    from benchmarks.checkpoint import Config
+
+    monkeypatch.setattr(checkpoint, "_reuse_freed_host_memory", lambda: False)
+    monkeypatch.setattr(checkpoint, "configs", lambda device, workload=None: [Config("plain", None, None, "plain")])
+    monkeypatch.setattr(bench, "main", lambda *args, **kwargs: calls.append((args, kwargs)) or [])
+    calls: list = []
+    bench_main(["--smoke", "--workloads", "gpt2,planner", "--out", str(tmp_path)])
+    ((args, kwargs),) = calls
+    assert kwargs == {"quick": False, "smoke": True, "results_md": str(tmp_path / "results.md")}
+    assert (tmp_path / "results.md").read_text().startswith("# fastckpt benchmark")  # written before the planner
