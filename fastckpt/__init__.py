@@ -1,7 +1,12 @@
 """fastckpt: an activation-memory engine for PyTorch training (drop-in torch.utils.checkpoint)."""
 
-from fastckpt import _extension  # noqa: F401  (loads fastckpt._C and registers its ops)
+from fastckpt import _extension
+
+if _extension.load_error() is None:
+    # The ops' fake kernels register on import: torch.compile traces graphs that call torch.ops.fastckpt.*.
+    from fastckpt import ops  # noqa: F401
 from fastckpt.api import CheckpointWrapper, apply, checkpoint, checkpoint_sequential, wrap
+from fastckpt.compiled import compile
 from fastckpt.planner import Plan, plan
 from fastckpt.policies import Policy, current_policy, policy
 from fastckpt.storage.accounting import track
@@ -14,6 +19,7 @@ __all__ = [
     "apply",
     "checkpoint",
     "checkpoint_sequential",
+    "compile",
     "current_policy",
     "plan",
     "policy",

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import noop_context_fn
 
+from fastckpt.compiled import checkpoint_in_graph
 from fastckpt.engine.non_reentrant import DETERMINISM_CHECKS, checkpoint_non_reentrant
 from fastckpt.engine.options import CheckpointOptions
 from fastckpt.engine.reentrant import checkpoint_reentrant
@@ -47,7 +48,7 @@ def checkpoint(
         if kwargs:
             raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
         return lambda fn: _Checkpointed(fn, options, policy)
-    return _run(function, args, kwargs, options, policy)
+    return _dispatch(function, args, kwargs, options, policy)
 
 
 class _Checkpointed:
@@ -60,7 +61,7 @@ class _Checkpointed:
         functools.update_wrapper(self, function, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _run(self.function, args, kwargs, self.options, self.policy)
+        return _dispatch(self.function, args, kwargs, self.options, self.policy)
 
     def __get__(self, instance: Any, owner: type | None = None) -> Any:
         bind = getattr(self.function, "__get__", None)
@@ -69,8 +70,16 @@ class _Checkpointed:
         return _Checkpointed(bind(instance, owner), self.options, self.policy)
 
 
-# Under torch.compile the checkpointed call runs eagerly (a graph break): dynamo would otherwise trace
-# the forward but not the recompute, and the two would save different tensors.
+def _dispatch(
+    function: Callable[..., Any], args: tuple, kwargs: dict, options: CheckpointOptions, policy: str | Policy | None
+) -> Any:
+    if torch.compiler.is_compiling():  # dynamo is tracing: into the graph where fastckpt.compiled can
+        return checkpoint_in_graph(function, args, kwargs, options, policy, run_eagerly=_run)
+    return _run(function, args, kwargs, options, policy)
+
+
+# Eager: dynamo never traces the engine (it would trace the forward but not the recompute, and the two would
+# save different tensors); under torch.compile a segment gets here only through a graph break.
 @torch.compiler.disable
 def _run(
     function: Callable[..., Any], args: tuple, kwargs: dict, options: CheckpointOptions, policy: str | Policy | None

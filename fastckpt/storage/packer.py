@@ -44,13 +44,19 @@ def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
     """Why `t` is kept as autograd would keep it, or None when the policy's storage applies."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return "tensor subclass"
+    return value_keep_plain_reason(t, policy, "parameter" if _is_parameter_like(t) else None)
+
+
+def value_keep_plain_reason(t: torch.Tensor, policy: Policy, alive_anyway: str | None) -> str | None:
+    """keep_plain_reason by `t`'s layout, dtype and size, for a tensor known to be a plain tensor (or a
+    compiled graph's fake value of one); `alive_anyway` names why it is alive anyway (e.g. 'parameter'), if it is."""
     if t.layout != torch.strided or t.is_nested:
         return "not a dense tensor"
     masks_allowed = policy.codec is not None and t.dtype == torch.bool  # dropout masks: 1 bit each, exact
     if t.dtype not in _STORABLE_DTYPES and not masks_allowed:
         return str(t.dtype).removeprefix("torch.")
-    if _is_parameter_like(t):
-        return "parameter"
+    if alive_anyway is not None:
+        return alive_anyway
     if _nbytes(t) < policy.min_tensor_bytes:
         return "small"
     return None
