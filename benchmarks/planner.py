@@ -29,12 +29,13 @@ from dataclasses import dataclass
 os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the CPU memory profiler quiet
 import torch  # noqa: E402
 import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
+from torch import nn  # noqa: E402
 
 import fastckpt  # noqa: E402
 from benchmarks.checkpoint import max_rel_l2  # noqa: E402
 from benchmarks.harness import median_times, peak_bytes, quiet_profiler_logs, write_csv  # noqa: E402
 from benchmarks.report import fmt, missing  # noqa: E402
-from benchmarks.workloads import GPT2Stack, StackShape, Workload, workloads  # noqa: E402
+from benchmarks.workloads import GPT2Block, GPT2Stack, StackShape, Workload, workloads  # noqa: E402
 from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, measure  # noqa: E402
 
 BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of stock checkpoint's measured peak
@@ -49,20 +50,63 @@ LONG_CONTEXT = {
 RUNS = {"full": (2, 5), "quick": (1, 3), "smoke": (1, 1)}
 
 
-def long_context(shape: StackShape) -> Workload:
-    """The issue's long-context stack: GPT-2-style blocks, attention dropout 0 so SDPA runs fused."""
+def long_context(shape: StackShape, sublayers: bool = False) -> Workload:
+    """The issue's long-context stack: GPT-2-style blocks, attention dropout 0 so SDPA runs fused. With
+    `sublayers`, the planner's segments are each block's attention and MLP halves (check_fn=is_sublayer)."""
 
     def inputs(device: torch.device) -> tuple:
         generator = torch.Generator().manual_seed(1)
         return (torch.randn(shape.batch, shape.seq, shape.dim, generator=generator).to(device).requires_grad_(True),)
 
+    stack = SublayerStack if sublayers else GPT2Stack
     return Workload(
-        "long-context",
-        f"GPT-2-style blocks, {shape} (head dim {shape.dim // shape.heads}), dropout 0.1, attention 0 (fused SDPA)",
-        lambda device: GPT2Stack(shape, attn_dropout=0.0).to(device),
+        "long-context sublayers" if sublayers else "long-context",
+        f"GPT-2-style blocks, {shape} (head dim {shape.dim // shape.heads}), dropout 0.1, attention 0 (fused SDPA)"
+        + ("; planned per attention / MLP half" if sublayers else ""),
+        lambda device: stack(shape, attn_dropout=0.0).to(device),
         inputs,
         lambda model, inputs: model(*inputs).float().pow(2).mean(),
     )
+
+
+class Sublayer(nn.Module):
+    """One residual half of a GPT2Block: x + attention(ln1(x)), or x + mlp(ln2(x))."""
+
+    def __init__(self, block: GPT2Block, part: str) -> None:
+        super().__init__()
+        self.part = part
+        if part == "attention":
+            self.norm, self.attn = block.ln1, block.attn
+        else:
+            self.norm, self.mlp = block.ln2, block.mlp
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        if self.part == "attention":
+            return x + self.attn(h, h, h, need_weights=False, is_causal=False)[0]
+        return x + self.mlp(h)
+
+
+class SublayerStack(GPT2Stack):
+    """GPT2Stack whose blocks run as their two residual halves (`sublayers`, the same weights), so the planner
+    can give attention and MLP each its own policy; `segment`, when set, still checkpoints whole blocks (the
+    stock baseline is the same as on the block-segmented stack)."""
+
+    def __init__(self, shape: StackShape, attn_dropout: float = 0.1) -> None:
+        super().__init__(shape, attn_dropout)
+        self.sublayers = nn.ModuleList(Sublayer(b, part) for b in self.blocks for part in ("attention", "mlp"))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.segment is not None:
+            return super().forward(x)
+        for sublayer in self.sublayers:
+            x = sublayer(x)
+        return x
+
+
+def is_sublayer(module: nn.Module) -> bool:
+    """check_fn of the sublayer-segmented long-context stack."""
+    return isinstance(module, Sublayer)
 
 
 @dataclass
@@ -143,9 +187,15 @@ def _summary(policies: list[str]) -> str:
 
 
 def run_workload(
-    workload: Workload, device: torch.device, candidates: list[str], repeats: int, rounds: int
+    workload: Workload,
+    device: torch.device,
+    candidates: list[str],
+    repeats: int,
+    rounds: int,
+    check_fn: Callable[[nn.Module], bool] | None = None,
 ) -> tuple[list[dict], Measurements]:
-    """Measure, plan every budget, and measure the plans and the baselines on one workload."""
+    """Measure, plan every budget, and measure the plans and the baselines on one workload (segments: those
+    `check_fn` selects, default the planner's)."""
     model = workload.model(device)
     inputs = workload.inputs(device)
     sink: list[list] = []
@@ -157,7 +207,7 @@ def run_workload(
 
     start = time.perf_counter()
     with quiet_profiler_logs():
-        measurements = measure(model, step, candidates=candidates, repeats=repeats)
+        measurements = measure(model, step, check_fn=check_fn, candidates=candidates, repeats=repeats)
     measure_seconds = time.perf_counter() - start
 
     rows = [Row("plain", step), Row("stock checkpoint", stock)]
@@ -315,7 +365,12 @@ def main(
     table to the Markdown file `results_md` (created if missing) when given."""
     dev = torch.device(device)
     size = "smoke" if smoke else "quick" if quick else "full"
-    chosen = [long_context(LONG_CONTEXT[size]), workloads(dev, size)["gpt2"]]
+    shape = LONG_CONTEXT[size]
+    chosen = [
+        (long_context(shape), None),
+        (long_context(shape, True), is_sublayer),
+        (workloads(dev, size)["gpt2"], None),
+    ]
     repeats, rounds = RUNS[size]
     threads = torch.get_num_threads() if dev.type == "cpu" else None
     print(f"fastckpt {fastckpt.__version__} planner, torch {torch.__version__} on {device}", end="")
@@ -323,8 +378,8 @@ def main(
     print(f"candidates: {', '.join(DEFAULT_CANDIDATES)}; {repeats} timed run(s) per candidate, plans timed over")
     print(f"{rounds} interleaved rounds; budgets are fractions of stock torch.utils.checkpoint's measured peak")
     every = []
-    for workload in chosen:
-        rows, measurements = run_workload(workload, dev, list(DEFAULT_CANDIDATES), repeats, rounds)
+    for workload, check_fn in chosen:
+        rows, measurements = run_workload(workload, dev, list(DEFAULT_CANDIDATES), repeats, rounds, check_fn)
         _print(workload, rows, measurements, rows[0]["measure_s"])
         for line in _targets(rows):
             print(f"  target {line}")

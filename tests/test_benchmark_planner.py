@@ -27,8 +27,21 @@ def test_rows_and_targets_on_a_tiny_stack():
         else:
             assert r["peak_x_budget"] <= 1.01 and r["grad_rel_l2_max"] < 0.05
     assert set(measurements.by_policy) == set(candidates)
+    assert [s.name for s in measurements.segments] == [f"blocks.{i}" for i in range(3)]
     assert any(line.startswith("100%: time") for line in bench._targets(rows))
     assert bench._summary(["int8", "int8", "recompute", "int8"]) == "3 x int8, recompute"
+
+
+def test_sublayer_segments_are_each_blocks_attention_and_mlp():
+    workload = bench.long_context(StackShape(layers=2, dim=32, heads=2, batch=1, seq=256), sublayers=True)
+    rows, measurements = bench.run_workload(
+        workload, torch.device("cpu"), ["recompute", "int8"], repeats=1, rounds=1, check_fn=bench.is_sublayer
+    )
+    assert [s.name for s in measurements.segments] == [f"sublayers.{i}" for i in range(4)]
+    assert [s.module.part for s in measurements.segments] == ["attention", "mlp"] * 2
+    by_name = {r["config"]: r for r in rows}
+    assert by_name["stock checkpoint"]["grad_rel_l2_max"] == 0  # the halves compute what the blocks do
+    assert by_name["plan 100%"]["peak_x_budget"] <= 1.01
 
 
 def test_planner_section_of_python_m_benchmarks(tmp_path, capsys):
@@ -36,7 +49,7 @@ def test_planner_section_of_python_m_benchmarks(tmp_path, capsys):
     out = capsys.readouterr().out
     assert [(r["workload"], r["config"]) for r in rows] == [
         (workload, config)
-        for workload in ("long-context", "gpt2")
+        for workload in ("long-context", "long-context sublayers", "gpt2")
         for config in ("plain", "stock checkpoint", "plan 100%", "plan 70%", "plan 50%", "plan 30%")
     ]
     assert "== planner: fastckpt.plan" in out and "target 100%: time" in out and "nan" not in out.lower()
