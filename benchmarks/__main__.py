@@ -5,9 +5,11 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   stacks (short and 2048-token context) and a small Hugging Face Llama; a table, a CSV and a plot per
   workload in --out (default bench-results/<timestamp>/). Then the planner section: fastckpt.plan at
   100/70/50/30% of stock checkpoint's peak on a long-context stack and the GPT-2 stack (its table goes to
-  results.md too). --workloads picks some (of the workloads and 'planner'), --smoke runs tiny shapes once
-  (checks that every row runs; its numbers mean nothing).
+  results.md too). Then the compile section: torch.compile of the GPT-2 stack, plain, with torch's checkpoint
+  and with fastckpt's policies (fastckpt.compile). --workloads picks some (of the workloads, 'planner' and
+  'compile'), --smoke runs tiny shapes once (checks that every row runs; its numbers mean nothing).
 planner: the planner section alone (as `python -m benchmarks.planner`).
+compile: the compile section alone (as `python -m benchmarks.compiled`).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).
 train: final loss of a small GPT trained on real text, per storage policy, against plain training.
 """
@@ -26,11 +28,13 @@ from benchmarks.workloads import WORKLOAD_NAMES  # noqa: E402
 MODES = {
     "checkpoint": "benchmarks.checkpoint",
     "planner": "benchmarks.planner",
+    "compile": "benchmarks.compiled",
     "ops": "benchmarks.ops",
     "train": "benchmarks.train",
 }
 PLANNER = "planner"  # the planner section of the checkpoint benchmark, selectable like a workload
-SECTIONS = (*WORKLOAD_NAMES, PLANNER)
+COMPILE = "compile"  # the torch.compile section, likewise
+SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE)
 
 
 def _workload_list(text: str) -> list[str]:
@@ -85,7 +89,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.mode != "checkpoint":
         return module.main(device=args.device, out=args.out, quick=args.quick)
     selected = args.workloads or list(SECTIONS)
-    workload_names = [name for name in selected if name != PLANNER]
+    workload_names = [name for name in selected if name not in (PLANNER, COMPILE)]
     out = args.out or module.default_out()
     rows: list[dict] = []
     failed: SystemExit | None = None
@@ -99,6 +103,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"\n== {PLANNER}: fastckpt.plan at fractions of stock checkpoint's peak", flush=True)
         results_md = os.path.join(out, "results.md")
         rows += planner.main(args.device, out, quick=args.quick, smoke=args.smoke, results_md=results_md)
+    if COMPILE in selected:
+        compiled = importlib.import_module(MODES[COMPILE])
+        print(f"\n== {COMPILE}: torch.compile on the GPT-2 stack", flush=True)
+        results_md = os.path.join(out, "results.md")
+        compile_rows = compiled.main(args.device, out, quick=args.quick, smoke=args.smoke, results_md=results_md)
+        broken = sum(1 for row in compile_rows if row["error"])
+        if broken and failed is None:
+            failed = SystemExit(f"{broken} configuration(s) of the compile section failed; see its table")
+        rows += compile_rows
     if failed is not None:
         raise failed
     return rows

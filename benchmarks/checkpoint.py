@@ -45,7 +45,8 @@ DEFAULT_OUT = "bench-results"
 @dataclass(frozen=True)
 class Config:
     """One row. `checkpoint(fn, *args)` runs each segment (torch.utils.checkpoint's signature; None runs
-    the segments plainly); `context()`, when given, is entered around forward and backward."""
+    the segments plainly); `context()`, when given, is entered around forward and backward; `compile`, when
+    given, compiles the loss function (e.g. torch.compile) once per row."""
 
     name: str
     checkpoint: Callable | None
@@ -54,6 +55,7 @@ class Config:
     policy: str | None = None  # a fastckpt policy (the HF workload enables it through integrations.hf)
     use_reentrant: bool = False
     context: Callable[[], contextlib.AbstractContextManager] | None = None
+    compile: Callable[[Callable], Callable] | None = None
 
 
 @dataclass(frozen=True)
@@ -146,10 +148,11 @@ def make_step(
     `keep_grads`, one per parameter, so that they are freed only after a measured step)."""
     parameters = list(model.parameters())
     leaves = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    loss = config.compile(workload.loss) if config.compile else workload.loss
 
     def step() -> None:
         with config.context() if config.context else contextlib.nullcontext():
-            workload.loss(model, inputs).backward()
+            loss(model, inputs).backward()
         if keep_grads is not None:
             keep_grads.extend(p.grad for p in parameters)
         model.zero_grad(set_to_none=True)

@@ -25,6 +25,7 @@ with tuning the graph annotations cannot carry (group_size, rule, stochastic rou
 from __future__ import annotations
 
 import functools
+import operator
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -200,6 +201,8 @@ class GraphStorage:
         if context is None:  # eager: an op between graphs
             return t if self._eager is None else _EagerPacked(self._eager, self._eager.pack(t))
         node = context["_node"]
+        if id(context["_fw_graph"]) not in self._graphs:
+            _name_rng_states_as_backward_does(context["_fw_graph"], context["_bw_graph"])
         self._before_pack.setdefault(node, set(context["_fw_graph"].nodes))
         policy = self._claim(node)
         codec, reason = None, "no policy"
@@ -312,6 +315,29 @@ class GraphStorage:
             f"total: {len(self.saved)} saved tensors, {raw / 2**20:.2f} MiB as saved, {kept / 2**20:.2f} MiB kept"
         )
         return "\n".join(rows)
+
+
+def _name_rng_states_as_backward_does(forward: torch.fx.Graph, backward: torch.fx.Graph) -> None:
+    """Give the forward graph's saved RNG states the names of their backward placeholders. A random op
+    recomputed on CPU (dropout in a checkpointed segment) saves the RNG state it ran with; torch's partitioner
+    names the backward's input 'rng_state_output_<k>' but leaves the forward's output named 'getitem_<n>', and
+    AOTAutograd's hook inlining, which pairs saved tensors with backward inputs by name, then fails with
+    "could not find saved tensor getitem_<n> in bw_g_inputs" (torch 2.14; in order, both lists follow the
+    random ops' order)."""
+    save_rng = torch._prims.rng_prims.run_and_save_rng_state
+    states = [
+        n
+        for n in forward.output_node().args[0]
+        if isinstance(n, torch.fx.Node)
+        and n.target is operator.getitem
+        and n.args[0].target is save_rng
+        and n.args[1] == 0
+    ]
+    inputs = [n for n in backward.find_nodes(op="placeholder") if n.name.startswith("rng_state_output_")]
+    if len(states) != len(inputs):
+        return
+    for state, placeholder in zip(states, inputs, strict=True):
+        state._rename(placeholder.name)
 
 
 def _stores(policy: Policy | None) -> bool:

@@ -348,3 +348,20 @@ def test_op_and_baseline_are_both_timed():
 def test_other_processes_cpu_share_is_a_fraction():
     busy = checkpoint._cpu_busy(0.05)
     assert busy is not None and 0.0 <= busy <= 1.0
+
+
+def test_compile_section_runs_every_row_and_reports_the_targets(tmp_path, capsys):
+    rows = bench_main(["--smoke", "--workloads", "compile", "--out", str(tmp_path)])
+    names = [r["config"] for r in rows]
+    assert names[:4] == ["plain", "compiled plain", "compiled torch non-reentrant", "compiled fastckpt recompute"]
+    assert {"compiled fastckpt int8", "compiled fastckpt int4"} <= set(names)
+    assert all(r["error"] is None for r in rows)
+    by_name = {r["config"]: r for r in rows}
+    # recompute under compile is torch's own checkpoint op: the same gradients as torch's row
+    recompute, stock = by_name["compiled fastckpt recompute"], by_name["compiled torch non-reentrant"]
+    assert recompute["grad_rel_l2"] == stock["grad_rel_l2"]
+    assert 0 < by_name["compiled fastckpt int8"]["grad_rel_l2"] <= 1e-2
+    out = capsys.readouterr().out
+    assert "target compiled fastckpt recompute" in out
+    assert (tmp_path / "compile.csv").exists()
+    assert "## compile: torch.compile on the GPT-2 stack" in (tmp_path / "results.md").read_text()
