@@ -150,11 +150,11 @@ class SavedTensor:
 
     graph: int  # which compiled forward graph (numbered in compilation order)
     node: str
-    shape: tuple
+    shape: tuple  # ints; a dynamic dimension is its symbol's name (e.g. 's0')
     dtype: torch.dtype
     policy: str  # the policy that claimed it ('' when none did)
     stored_as: str  # a codec, or 'plain (<reason>)'
-    raw_bytes: int
+    raw_bytes: int  # at the sizes the graph was compiled with (its example inputs)
     stored_bytes: int
 
 
@@ -290,11 +290,11 @@ class GraphStorage:
         if (graph, node.name) in self._seen:  # AOTAutograd calls the pack hook twice per tensor
             return
         self._seen.add((graph, node.name))
-        raw = t.numel() * t.element_size()
+        shape = tuple(d if isinstance(d, int) else str(d) for d in t.shape)
+        raw = _example_value(t.numel()) * t.element_size()
+        policy_name = str(policy) if policy else ""
         self.saved.append(
-            SavedTensor(
-                graph, node.name, tuple(t.shape), t.dtype, str(policy) if policy else "", stored_as, raw, stored_bytes
-            )
+            SavedTensor(graph, node.name, shape, t.dtype, policy_name, stored_as, raw, _example_value(stored_bytes))
         )
 
     def table(self) -> str:
@@ -315,6 +315,11 @@ class GraphStorage:
             f"total: {len(self.saved)} saved tensors, {raw / 2**20:.2f} MiB as saved, {kept / 2**20:.2f} MiB kept"
         )
         return "\n".join(rows)
+
+
+def _example_value(size: int | torch.SymInt) -> int:
+    """A size, or a dynamic one's value in the example inputs the graph was compiled with."""
+    return size if isinstance(size, int) else int(size.node.hint or 0)
 
 
 def _name_rng_states_as_backward_does(forward: torch.fx.Graph, backward: torch.fx.Graph) -> None:
@@ -382,7 +387,7 @@ def compile(fn_or_module: Any, policy: str | Policy | None = None, **torch_compi
     compiled = torch.compile(fn_or_module, **torch_compile_kwargs)
     if isinstance(compiled, torch.nn.Module):
         compiled.forward = _in_region(storage, compiled.forward)
-        compiled.fastckpt_storage = storage
+        object.__setattr__(compiled, "fastckpt_storage", storage)  # on the compiled module, not the user's
         return compiled
     wrapped = _in_region(storage, compiled)
     wrapped.fastckpt_storage = storage
