@@ -52,6 +52,10 @@ def configs(backend: str) -> list[Config]:
         ),
         Config("compiled fastckpt recompute", fastckpt.checkpoint, COMPILED_STOCK, "fastckpt", compile=torch_compile),
     ]
+    if not fastckpt.compiled.IN_GRAPH_STORAGE:
+        needed = fastckpt.compiled.TORCH_NEEDED
+        print(f"(no fastckpt.compile rows: storage inside compiled graphs needs torch >= {needed})")
+        return rows
     rows += [
         Config(
             f"compiled fastckpt {policy}",

@@ -46,7 +46,8 @@ try:  # the two pieces of torch that in-graph storage needs
     from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
     from torch.fx.traceback import annotate as _annotate
 
-    IN_GRAPH_STORAGE = True
+    # Both are private enough to change between releases: only the release checked is trusted.
+    IN_GRAPH_STORAGE = torch.torch_version.TorchVersion(torch.__version__) >= TORCH_NEEDED
 except ImportError:
     IN_GRAPH_STORAGE = False
 

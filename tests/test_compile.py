@@ -13,6 +13,10 @@ import fastckpt
 from fastckpt import compiled
 from fastckpt.memory import peak_bytes
 
+# Storage inside compiled graphs is trusted on the torch release it was checked with (fastckpt.compiled).
+in_graph = pytest.mark.skipif(
+    not compiled.IN_GRAPH_STORAGE, reason=f"storage inside compiled graphs needs torch >= {compiled.TORCH_NEEDED}"
+)
 BOUNDS = {"int8": 1e-2, "recompute+int8": 1e-2, "fp8": 5e-2, "int4": 0.1}
 
 
@@ -112,6 +116,7 @@ def test_selective_checkpoint_context_fn_under_compile_matches_torch():
     assert torch.equal(got, expected)
 
 
+@in_graph
 @pytest.mark.parametrize("policy", ["int8", "fp8", "int4", "recompute+int8"])
 def test_storage_policy_inside_one_compiled_graph(policy):
     blocks, x = make_stack(), inputs()
@@ -130,6 +135,7 @@ def test_storage_policy_inside_one_compiled_graph(policy):
     assert "total:" in step.fastckpt_storage.table()
 
 
+@in_graph
 @pytest.mark.parametrize("policy", ["recompute", "recompute+int8"])
 def test_dropout_recomputed_inside_the_region(policy):
     # Recomputed random ops save their RNG state; torch's hook inlining loses it unless fastckpt renames it.
@@ -145,6 +151,7 @@ def test_dropout_recomputed_inside_the_region(policy):
         assert 0 < rel_l2(got, expected) <= BOUNDS[policy]
 
 
+@in_graph
 def test_dynamic_shapes_one_graph_for_every_sequence_length():
     blocks = make_stack()
     step = fastckpt.compile(step_fn(blocks, fastckpt.checkpoint, policy="int8"), dynamic=True, backend="aot_eager")
@@ -158,6 +165,7 @@ def test_dynamic_shapes_one_graph_for_every_sequence_length():
     assert "total:" in step.fastckpt_storage.table()
 
 
+@in_graph
 def test_compiled_int8_segments_lower_the_peak():
     blocks = make_stack(depth=4)
     x = torch.randn(8, 256, 64, requires_grad=True)
@@ -172,6 +180,7 @@ def test_compiled_int8_segments_lower_the_peak():
     assert int8 < 0.6 * plain
 
 
+@in_graph
 def test_region_policy_stores_every_saved_activation():
     blocks, x = make_stack(), inputs()
     plain = gradients(blocks, step_fn(blocks, None), x)
@@ -182,6 +191,7 @@ def test_region_policy_stores_every_saved_activation():
     assert big and all(s.stored_as == "int8" for s in big)
 
 
+@in_graph
 def test_segments_override_the_region_policy():
     blocks, x = make_stack(), inputs()
 
@@ -195,6 +205,7 @@ def test_segments_override_the_region_policy():
     assert stored == {"int4", "int8"}
 
 
+@in_graph
 def test_eager_parts_inside_the_region_follow_the_region_policy():
     blocks, x = make_stack(), inputs()
 
@@ -213,6 +224,7 @@ def test_eager_parts_inside_the_region_follow_the_region_policy():
     assert any("compiled region" in r.policy and "int8" in r.codecs for r in report.segments)
 
 
+@in_graph
 def test_module_compiles_like_torch_compile():
     blocks = make_stack()
     model = torch.nn.Sequential(*blocks)
@@ -226,6 +238,7 @@ def test_module_compiles_like_torch_compile():
     assert compiled_model.fastckpt_storage.saved and not hasattr(model, "fastckpt_storage")
 
 
+@in_graph
 def test_storage_policy_under_torch_compile_runs_eagerly_with_one_warning():
     blocks, x = make_stack(), inputs()
     eager = gradients(blocks, step_fn(blocks, fastckpt.checkpoint, policy="int8"), x)
@@ -237,6 +250,7 @@ def test_storage_policy_under_torch_compile_runs_eagerly_with_one_warning():
     assert torch.equal(got, eager)
 
 
+@in_graph
 @pytest.mark.parametrize(
     ("policy", "named"),
     [
@@ -282,6 +296,7 @@ def test_storage_options_meant_for_recompute_still_raise_under_compile():
         step(x)
 
 
+@in_graph
 @pytest.mark.slow
 def test_inductor_cpu_recompute_matches_torch_and_int8_stays_in_bounds():
     blocks, x = make_stack(), inputs()
@@ -295,6 +310,7 @@ def test_inductor_cpu_recompute_matches_torch_and_int8_stays_in_bounds():
     assert 0 < rel_l2(gradients(blocks, step, x), plain) <= BOUNDS["int8"]
 
 
+@in_graph
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ["recompute", "int8", "int4"])
 def test_cuda_inductor(policy):
