@@ -10,18 +10,35 @@ from __future__ import annotations
 
 import sysconfig
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
 import fastckpt
+import fastckpt.planner
 from benchmarks.harness import error_line, finish
 from benchmarks.workloads import GPT2Block
 
 CORPUS_FILES = ["argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
                 "subprocess.py", "typing.py", "threading.py"]  # fmt: skip
-POLICIES = [None, "recompute", "int8", "fp8", "int4", "int2"]
+PLAN_BUDGET = 0.5  # the planned row: fastckpt.plan at this fraction of stock checkpoint's peak
+PLAN_CANDIDATES = None  # the policies it may choose from (None: the planner's defaults)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A row whose blocks get the policies fastckpt.plan chooses for `fraction` of stock checkpoint's peak (or
+    for the smallest feasible budget, when that fraction is infeasible)."""
+
+    fraction: float
+
+    def __str__(self) -> str:
+        return f"plan {self.fraction:.0%}"
+
+
+POLICIES = [None, "recompute", "int8", "fp8", "int4", "int2", Planned(PLAN_BUDGET)]
 
 
 def corpus(device: torch.device) -> torch.Tensor:
@@ -55,16 +72,48 @@ def batches(data: torch.Tensor, steps: int, batch: int, seq: int, seed: int) -> 
     return [torch.stack([data[s : s + seq + 1] for s in row.tolist()]).long() for row in starts]
 
 
-def train(policy: str | None, data: torch.Tensor, val: list[torch.Tensor], steps: int, device: torch.device) -> dict:
+def _loss(model: CharGPT, tokens: torch.Tensor, policy: str | None) -> torch.Tensor:
+    logits = model(tokens[:, :-1], policy)
+    return nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+
+
+def apply_plan(model: CharGPT, tokens: torch.Tensor, fraction: float) -> tuple[str, str]:
+    """Plan the model's blocks for `fraction` of stock checkpoint's peak on a training step of `tokens`
+    (the smallest feasible budget if that one is infeasible) and apply the plan; returns (budget, policies)."""
+
+    def step() -> None:
+        _loss(model, tokens, None).backward()
+        model.zero_grad(set_to_none=True)
+
+    measurements = fastckpt.planner.measure(model, step, candidates=PLAN_CANDIDATES, repeats=1)
+    try:
+        plan = measurements.plan(f"{100 * fraction:g}%")
+        budget = f"{fraction:.0%} of stock's peak"
+    except ValueError:
+        smallest = measurements.smallest_feasible_budget()
+        plan = measurements.plan(smallest)
+        budget = f"{smallest / measurements.reference_peak:.0%} of stock's peak ({fraction:.0%} is infeasible)"
+    plan.apply()
+    return budget, ", ".join(plan.policies)
+
+
+def train(
+    policy: str | Planned | None, data: torch.Tensor, val: list[torch.Tensor], steps: int, device: torch.device
+) -> dict:
     dim, layers, heads, seq, batch = (256, 4, 4, 128, 32) if device.type == "cuda" else (128, 4, 4, 64, 16)
     torch.manual_seed(0)
     model = CharGPT(dim, layers, heads, seq).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    training = batches(data, steps, batch, seq, seed=1)
+    note = ""
+    if isinstance(policy, Planned):  # measured on the first batch; no dropout, so no RNG is consumed
+        budget, chosen = apply_plan(model, training[0].to(device), policy.fraction)
+        note = f"{policy}: budget {budget}; blocks: {chosen}"
+    per_call = None if isinstance(policy, Planned) else policy
     losses = []
     start = time.perf_counter()
-    for tokens in batches(data, steps, batch, seq, seed=1):
-        logits = model(tokens[:, :-1], policy)
-        loss = nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1))
+    for tokens in training:
+        loss = _loss(model, tokens, per_call)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
@@ -76,8 +125,8 @@ def train(policy: str | None, data: torch.Tensor, val: list[torch.Tensor], steps
             for t in val
         ) / len(val)
     tail = losses[-max(steps // 10, 1) :]
-    return {"policy": policy or "plain", "final_train_loss": sum(tail) / len(tail), "val_loss": val_loss,
-            "seconds": seconds}  # fmt: skip
+    return {"policy": str(policy or "plain"), "final_train_loss": sum(tail) / len(tail), "val_loss": val_loss,
+            "seconds": seconds, "note": note}  # fmt: skip
 
 
 def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
@@ -106,4 +155,7 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
             f"{r['policy']:<12}{r['final_train_loss']:>12.4f}{r['train_vs_plain']:>+10.2%}"
             f"{r['val_loss']:>10.4f}{r['val_vs_plain']:>+10.2%}{r['seconds']:>9.1f}"
         )
+    for r in rows:
+        if r["note"]:
+            print(r["note"])
     return finish(rows, failed, 12, out, f"train_{dev.type}.csv")

@@ -1,0 +1,32 @@
+"""benchmarks/train.py: the planned row measures, plans, applies and trains (a few steps, real corpus)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from benchmarks import train as bench
+from fastckpt.api import CheckpointWrapper
+
+
+def test_planned_row_applies_a_plan_and_trains(monkeypatch):
+    monkeypatch.setattr(bench, "PLAN_CANDIDATES", ["none", "recompute", "int8"])  # fewer to measure: faster
+    cpu = torch.device("cpu")
+    text = bench.corpus(cpu)
+    val = bench.batches(text[-100_000:], 1, 4, 64, seed=2)
+    row = bench.train(bench.Planned(0.5), text[:-100_000], val, steps=2, device=cpu)
+    assert row["policy"] == "plan 50%" and math.isfinite(row["final_train_loss"]) and math.isfinite(row["val_loss"])
+    assert row["note"].startswith("plan 50%: budget ") and "blocks: " in row["note"]
+    assert "of stock's peak" in row["note"]
+
+
+def test_apply_plan_wraps_the_blocks_or_says_the_budget_was_infeasible():
+    torch.manual_seed(0)
+    model = bench.CharGPT(dim=64, layers=3, heads=2, seq=32)
+    tokens = torch.randint(0, 256, (4, 33))
+    budget, chosen = bench.apply_plan(model, tokens, 0.3)  # far below what recomputation alone reaches
+    assert "(30% is infeasible)" in budget
+    policies = chosen.split(", ")
+    assert len(policies) == 3
+    assert [isinstance(b, CheckpointWrapper) for b in model.blocks] == [p != "none" for p in policies]
