@@ -401,7 +401,10 @@ def _in_region(storage: GraphStorage, call: Callable[..., Any]) -> Callable[...,
         global _region_depth
         _region_depth += 1
         try:
-            with storage.hooks():
+            # No AOTAutograd cache: its key hashes the hook graphs (empty: the hooks are Python) and not the
+            # policy annotations, so a graph compiled under 'int8' would be served for the same graph under
+            # 'int4' (measured). Inductor's own cache keys the graphs after inlining, encode ops included.
+            with torch._functorch.config.patch(enable_autograd_cache=False), storage.hooks():
                 return call(*args, **kwargs)
         finally:
             _region_depth -= 1

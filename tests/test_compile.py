@@ -298,6 +298,19 @@ def test_storage_options_meant_for_recompute_still_raise_under_compile():
 
 @in_graph
 @pytest.mark.slow
+def test_same_graph_under_another_policy_is_compiled_again_not_served_from_cache():
+    # AOTAutograd's cache key does not see the policy annotations: int4 got int8's compiled graph (measured).
+    blocks, x = make_stack(), inputs()
+    plain = gradients(blocks, step_fn(blocks, None), x)
+    errors = {}
+    for policy in ("int8", "int4"):
+        step = fastckpt.compile(step_fn(blocks, fastckpt.checkpoint, policy=policy))
+        errors[policy] = rel_l2(gradients(blocks, step, x), plain)
+    assert errors["int4"] > 3 * errors["int8"]
+
+
+@in_graph
+@pytest.mark.slow
 def test_inductor_cpu_recompute_matches_torch_and_int8_stays_in_bounds():
     blocks, x = make_stack(), inputs()
     plain = gradients(blocks, step_fn(blocks, None), x)
