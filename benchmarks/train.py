@@ -18,7 +18,7 @@ from torch import nn
 
 import fastckpt
 import fastckpt.planner
-from benchmarks.harness import error_line, finish
+from benchmarks.harness import error_line, finish, quiet_profiler_logs
 from benchmarks.workloads import GPT2Block
 
 CORPUS_FILES = ["argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
@@ -85,7 +85,8 @@ def apply_plan(model: CharGPT, tokens: torch.Tensor, fraction: float) -> tuple[s
         _loss(model, tokens, None).backward()
         model.zero_grad(set_to_none=True)
 
-    measurements = fastckpt.planner.measure(model, step, candidates=PLAN_CANDIDATES, repeats=1)
+    with quiet_profiler_logs():  # the planner's CPU memory trace runs the profiler
+        measurements = fastckpt.planner.measure(model, step, candidates=PLAN_CANDIDATES, repeats=1)
     try:
         plan = measurements.plan(f"{100 * fraction:g}%")
         budget = f"{fraction:.0%} of stock's peak"
