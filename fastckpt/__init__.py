@@ -7,6 +7,7 @@ if _extension.load_error() is None:
     from fastckpt import ops  # noqa: F401
 from fastckpt.api import CheckpointWrapper, apply, checkpoint, checkpoint_sequential, wrap
 from fastckpt.compiled import compile
+from fastckpt.hybrid import selective
 from fastckpt.planner import Plan, plan
 from fastckpt.policies import Policy, current_policy, policy
 from fastckpt.storage.accounting import track
@@ -23,6 +24,7 @@ __all__ = [
     "current_policy",
     "plan",
     "policy",
+    "selective",
     "track",
     "wrap",
 ]
