@@ -86,11 +86,9 @@ def _fastckpt_selective(store: str) -> Config | Skipped:
 
 
 def _selective_ops() -> list:
-    """What torch SAC saves here: the outputs of matmuls, convolutions and fused attention."""
-    names = ["mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention_for_cpu",
-             "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-             "_scaled_dot_product_cudnn_attention"]  # fmt: skip
-    return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
+    """What torch SAC saves here: the outputs of matmuls, convolutions and fused attention (the same ops as
+    fastckpt.hybrid.selective's default)."""
+    return [packet.default for packet in hybrid.default_save_ops()]
 
 
 def _selective_context():
