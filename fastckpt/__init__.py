@@ -11,6 +11,7 @@ from fastckpt.hybrid import selective
 from fastckpt.planner import Plan, plan
 from fastckpt.policies import Policy, current_policy, policy
 from fastckpt.storage.accounting import track
+from fastckpt.tiling import tiled
 
 __version__ = "0.1.0"
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "plan",
     "policy",
     "selective",
+    "tiled",
     "track",
     "wrap",
 ]
