@@ -10,7 +10,6 @@ the chunks' gradients (the same value as untiled, summed in another order).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
