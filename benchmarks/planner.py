@@ -50,20 +50,43 @@ LONG_CONTEXT = {
 RUNS = {"full": (2, 5), "quick": (1, 3), "smoke": (1, 1)}
 
 
-def long_context(shape: StackShape, sublayers: bool = False) -> Workload:
+TILED_CHUNKS, TILED_POLICY = 8, "recompute+int8"  # the MLP halves of the 'long-context tiled' variant
+
+
+def long_context(shape: StackShape, sublayers: bool = False, tiled: bool = False) -> Workload:
     """The issue's long-context stack: GPT-2-style blocks, attention dropout 0 so SDPA runs fused. With
-    `sublayers`, the planner's segments are each block's attention and MLP halves (check_fn=is_sublayer)."""
+    `sublayers`, the planner's segments are each block's attention and MLP halves (check_fn=is_sublayer).
+    With `tiled`, each MLP half runs as fastckpt.tiled(half, TILED_CHUNKS, policy=TILED_POLICY) (position-wise:
+    norm, MLP and residual treat every token alone) and the planner's segments are the attention halves
+    (check_fn=is_attention_half); stock checkpointing still runs whole blocks."""
 
     def inputs(device: torch.device) -> tuple:
         generator = torch.Generator().manual_seed(1)
         return (torch.randn(shape.batch, shape.seq, shape.dim, generator=generator).to(device).requires_grad_(True),)
 
-    stack = SublayerStack if sublayers else GPT2Stack
+    def build(device: torch.device) -> nn.Module:
+        if not (sublayers or tiled):
+            return GPT2Stack(shape, attn_dropout=0.0).to(device)
+        stack = SublayerStack(shape, attn_dropout=0.0)
+        if tiled:
+            for i, half in enumerate(stack.sublayers):
+                if half.part == "mlp":
+                    stack.sublayers[i] = fastckpt.tiled(half, TILED_CHUNKS, policy=TILED_POLICY)
+        return stack.to(device)
+
+    name, note = "long-context", ""
+    if tiled:
+        name, note = (
+            "long-context tiled",
+            f"; MLP halves tiled x{TILED_CHUNKS} ({TILED_POLICY}), attention halves planned",
+        )
+    elif sublayers:
+        name, note = "long-context sublayers", "; planned per attention / MLP half"
     return Workload(
-        "long-context sublayers" if sublayers else "long-context",
+        name,
         f"GPT-2-style blocks, {shape} (head dim {shape.dim // shape.heads}), dropout 0.1, attention 0 (fused SDPA)"
-        + ("; planned per attention / MLP half" if sublayers else ""),
-        lambda device: stack(shape, attn_dropout=0.0).to(device),
+        + note,
+        build,
         inputs,
         lambda model, inputs: model(*inputs).float().pow(2).mean(),
     )
@@ -107,6 +130,11 @@ class SublayerStack(GPT2Stack):
 def is_sublayer(module: nn.Module) -> bool:
     """check_fn of the sublayer-segmented long-context stack."""
     return isinstance(module, Sublayer)
+
+
+def is_attention_half(module: nn.Module) -> bool:
+    """check_fn of the tiled long-context stack (its MLP halves are tiled, not planned)."""
+    return isinstance(module, Sublayer) and module.part == "attention"
 
 
 @dataclass
@@ -369,6 +397,7 @@ def main(
     chosen = [
         (long_context(shape), None),
         (long_context(shape, True), is_sublayer),
+        (long_context(shape, tiled=True), is_attention_half),
         (workloads(dev, size)["gpt2"], None),
     ]
     repeats, rounds = RUNS[size]

@@ -49,7 +49,7 @@ def test_planner_section_of_python_m_benchmarks(tmp_path, capsys):
     out = capsys.readouterr().out
     assert [(r["workload"], r["config"]) for r in rows] == [
         (workload, config)
-        for workload in ("long-context", "long-context sublayers", "gpt2")
+        for workload in ("long-context", "long-context sublayers", "long-context tiled", "gpt2")
         for config in ("plain", "stock checkpoint", "plan 100%", "plan 70%", "plan 50%", "plan 30%")
     ]
     assert "== planner: fastckpt.plan" in out and "target 100%: time" in out and "nan" not in out.lower()
