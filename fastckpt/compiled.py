@@ -192,15 +192,17 @@ class GraphStorage:
         self.pack_hook, self.unpack_hook = _Hook(self._pack), _Hook(self._unpack)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        self._eager = (
-            SegmentStorage(self.policy, label=f"{self.policy} (compiled region, eager)") if self.policy else None
-        )
+        self._eager = None  # one storage per call, made when an eager op first saves (a track() record then)
         return torch.autograd.graph.saved_tensors_hooks(self.pack_hook, self.unpack_hook)
 
     def _pack(self, t: torch.Tensor) -> Any:
         context = _get_saved_tensor_hook_context()
         if context is None:  # eager: an op between graphs
-            return t if self._eager is None else _EagerPacked(self._eager, self._eager.pack(t))
+            if self.policy is None:
+                return t
+            if self._eager is None:
+                self._eager = SegmentStorage(self.policy, label=f"{self.policy} (compiled region, eager)")
+            return _EagerPacked(self._eager, self._eager.pack(t))
         node = context["_node"]
         if id(context["_fw_graph"]) not in self._graphs:
             _name_rng_states_as_backward_does(context["_fw_graph"], context["_bw_graph"])

@@ -222,6 +222,9 @@ def test_eager_parts_inside_the_region_follow_the_region_policy():
         got = gradients(blocks, compiled_step, x)
     assert 0 < rel_l2(got, plain) <= BOUNDS["int8"]
     assert any("compiled region" in r.policy and "int8" in r.codecs for r in report.segments)
+    with fastckpt.track() as report:  # no eager part: no record
+        gradients(blocks, fastckpt.compile(step_fn(blocks, None), policy="int8", backend="aot_eager"), x)
+    assert not report.segments
 
 
 @in_graph
