@@ -90,6 +90,9 @@ class CandidateMeasurement:
     step_seconds: float  # fastest step time of the timed runs
     outside_seconds: float  # fastest step time outside the segments
     bits_per_element: float  # stored bits per element kept after forward (nan: nothing stored through a codec)
+    # Relative L2 error of all parameter gradients together against no checkpointing, every segment under this
+    # candidate, same RNG seed (nan: not measured, i.e. no max_error given).
+    grad_error: float = float("nan")
 
 
 @dataclass(frozen=True)
@@ -111,11 +114,16 @@ class Measurements:
         segments: list[Segment],
         candidates: list[str],
         by_policy: dict[str, CandidateMeasurement],
+        max_error: float | None = None,
     ) -> None:
         self.model = model
         self.segments = segments
-        self.candidates = candidates  # what plans may choose (by_policy also holds the 'recompute' reference)
         self.by_policy = by_policy
+        self.max_error = max_error
+        # What plans may choose (by_policy also holds the 'recompute' reference): with max_error, the candidates
+        # whose measured gradient error is within it.
+        self.candidates = [c for c in candidates if max_error is None or by_policy[c].grad_error <= max_error]
+        self.excluded = [c for c in candidates if c not in self.candidates]
 
     @property
     def reference_peak(self) -> int:
@@ -138,10 +146,15 @@ class Measurements:
         policies = _fastest_within(self.by_policy, self.candidates, len(self.segments), budget_bytes)
         if policies is None:
             smallest = self.smallest_feasible_budget()
+            excluded = (
+                f" ({self.excluded} left out: their gradient error exceeds max_error={self.max_error:g})"
+                if self.excluded
+                else ""
+            )
             raise ValueError(
-                f"plan: no assignment of {self.candidates} to the {len(self.segments)} segments fits a budget of "
-                f"{budget_bytes} bytes ({budget_bytes / 2**20:.2f} MiB); the smallest feasible budget is {smallest} "
-                f"bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock "
+                f"plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments fits a "
+                f"budget of {budget_bytes} bytes ({budget_bytes / 2**20:.2f} MiB); the smallest feasible budget is "
+                f"{smallest} bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock "
                 "checkpointing's peak)"
             )
         return Plan(
@@ -177,15 +190,17 @@ class Measurements:
         """Per candidate: measured peak and step time, and its per-segment kept bytes and time (mean)."""
         lines = [
             f"{'candidate':<24}{'peak MiB':>10}{'step ms':>10}{'kept MiB/seg':>14}{'bwd MiB/seg':>13}"
-            f"{'ms/seg':>9}{'bits/elem':>11}"
+            f"{'ms/seg':>9}{'bits/elem':>11}{'grad err':>10}"
         ]
         for name, m in self.by_policy.items():
             n = len(m.segments)
+            error = "" if math.isnan(m.grad_error) else f"{m.grad_error:.1e}"
             lines.append(
                 f"{name:<24}{m.peak / 2**20:>10.2f}{m.step_seconds * 1e3:>10.1f}"
                 f"{sum(c.kept_bytes for c in m.segments) / n / 2**20:>14.2f}"
                 f"{sum(c.backward_level for c in m.segments) / n / 2**20:>13.2f}"
-                f"{sum(c.seconds for c in m.segments) / n * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
+                f"{sum(c.seconds for c in m.segments) / n * 1e3:>9.1f}{_bits(m.bits_per_element):>11}{error:>10}"
+                + ("  (left out: > max_error)" if name in self.excluded else "")
             )
         return "\n".join(lines)
 
@@ -266,6 +281,7 @@ def plan(
     candidates: Iterable[str | Policy | None] | None = None,
     *,
     repeats: int = 2,
+    max_error: float | None = None,
 ) -> Plan:
     """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
 
@@ -274,11 +290,15 @@ def plan(
     `check_fn` selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical
     blocks); `candidates` are policy strings, 'none', or 'selective:<store>' (fastckpt.hybrid.selective: the
     outputs of matmuls and attention kept through <store>, the rest recomputed) (default: DEFAULT_CANDIDATES,
-    which leaves 'selective:int8' out: on CPU it measured slower and larger than 'int8'). Runs step()
-    2 + len(candidates) * (1 + repeats) times. ValueError if no assignment fits, naming the smallest budget.
+    which leaves 'selective:int8' out: on CPU it measured slower and larger than 'int8'). `max_error`, when
+    given, leaves out the candidates whose gradient error exceeds it: the relative L2 error of all parameter
+    gradients together against no checkpointing, measured with every segment under the candidate and the
+    same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs,
+    but that is not guaranteed). Runs step() 2 + len(candidates) * (1 + repeats) times, plus
+    1 + len(candidates) with max_error. ValueError if no assignment fits, naming the smallest budget.
     """
     _check_budget(budget)
-    return measure(model, step, check_fn, candidates, repeats=repeats).plan(budget)
+    return measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error).plan(budget)
 
 
 def measure(
@@ -288,6 +308,7 @@ def measure(
     candidates: Iterable[str | Policy | None] | None = None,
     *,
     repeats: int = 2,
+    max_error: float | None = None,
 ) -> Measurements:
     """Measure every candidate on the segments (what `plan` does before solving); plan any budget from it."""
     if not isinstance(model, nn.Module):
@@ -298,11 +319,19 @@ def measure(
         raise TypeError(f"plan: `check_fn` must be callable (module -> bool), got {type(check_fn).__name__}")
     if not (isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1):
         raise ValueError(f"plan: `repeats` must be an integer >= 1, got {repeats!r}")
+    if max_error is not None and not (
+        isinstance(max_error, (int, float)) and not isinstance(max_error, bool) and max_error >= 0
+    ):
+        raise ValueError(f"plan: `max_error` must be a number >= 0 (a relative L2 error) or None, got {max_error!r}")
     names = _candidate_names(candidates)
     segments = _find_segments(model, check_fn)
     device = _device_of(model)
     measured = names if REFERENCE in names else [*names, REFERENCE]
-    return Measurements(model, segments, names, _measure(segments, step, measured, device, repeats))
+    by_policy = _measure(segments, step, measured, device, repeats)
+    if max_error is not None:
+        for name, error in _gradient_errors(model, segments, step, measured, device).items():
+            by_policy[name].grad_error = error
+    return Measurements(model, segments, names, by_policy, max_error)
 
 
 # ---- arguments -------------------------------------------------------------------------------------------
@@ -650,6 +679,34 @@ def _measure(
             bits_per_element=bits,
         )
     return result
+
+
+def _gradient_errors(
+    model: nn.Module, segments: list[Segment], step: Callable[[], Any], names: list[str], device: torch.device
+) -> dict[str, float]:
+    """Per candidate, the relative L2 error of all parameter gradients together against 'none', each run from
+    the same RNG seed (dropout draws the same masks); the caller's RNG state is restored after."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    devices = [device] if device.type == "cuda" else []
+
+    def gradients(name: str) -> torch.Tensor:
+        captured: dict[int, torch.Tensor] = {}
+        handles = [
+            p.register_hook(lambda g, i=i: captured.__setitem__(i, captured.get(i, 0) + g.detach().float().flatten()))
+            for i, p in enumerate(parameters)
+        ]
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(0x5EED)
+                _run(segments, step, name, _Recorder(device, None))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return torch.cat([captured.get(i, torch.zeros(p.numel(), device=p.device)) for i, p in enumerate(parameters)])
+
+    reference = gradients(NONE)
+    norm = reference.norm().clamp_min(1e-30)
+    return {name: 0.0 if name == NONE else ((gradients(name) - reference).norm() / norm).item() for name in names}
 
 
 def _segment_seconds(segments: list[Segment], runs: list[list[float]]) -> list[float]:

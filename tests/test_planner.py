@@ -363,3 +363,48 @@ def test_segment_times_take_the_fastest_run_and_pool_identical_blocks():
     ]
     # fastest runs: 1.0, 1.0, 1.2 for the identical blocks (median 1.0), 4.0 for the Linear of its own kind
     assert _segment_seconds(segments, runs) == [1.0, 1.0, 1.0, 4.0]
+
+
+# ---- max_error: candidates whose measured gradient error exceeds it are left out ----
+
+
+def test_max_error_leaves_out_the_candidates_above_it():
+    model, step = make(layers=3)
+    measurements = measure(model, step, candidates=[NONE, "recompute", "int8", "int4"], repeats=1, max_error=1.0)
+    errors = {name: m.grad_error for name, m in measurements.by_policy.items()}
+    assert errors[NONE] == 0 and errors["recompute"] == 0  # exact policies, same seed
+    assert 0 < errors["int8"] < errors["int4"]
+    bound = (errors["int8"] + errors["int4"]) / 2
+    bounded = measure(model, step, candidates=[NONE, "recompute", "int8", "int4"], repeats=1, max_error=bound)
+    assert bounded.candidates == [NONE, "recompute", "int8"] and bounded.excluded == ["int4"]
+    for budget in ("100%", bounded.smallest_feasible_budget()):
+        assert "int4" not in bounded.plan(budget).policies
+    assert "left out: > max_error" in bounded.table()
+    with pytest.raises(ValueError, match=r"\['int4'\] left out: their gradient error exceeds max_error"):
+        bounded.plan(1)
+
+
+def test_max_error_measures_with_the_same_dropout_masks():
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(
+        nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.5), nn.Linear(256, 64)) for _ in range(3)
+    )
+    x = torch.randn(4, 128, 64)
+
+    def step() -> None:
+        h = x
+        for block in blocks:
+            h = block(h)
+        h.pow(2).mean().backward()
+        blocks.zero_grad(set_to_none=True)
+
+    measurements = measure(blocks, step, candidates=[NONE, "recompute", "int8"], repeats=1, max_error=0.05)
+    assert measurements.by_policy["recompute"].grad_error == 0  # not the masks of another draw
+    assert 0 < measurements.by_policy["int8"].grad_error <= 0.05
+
+
+@pytest.mark.parametrize("max_error", [-0.1, "5%", True])
+def test_bad_max_error_is_named(max_error):
+    model, step = make(layers=2)
+    with pytest.raises(ValueError, match="max_error"):
+        fastckpt.plan(model, step, "100%", max_error=max_error)
