@@ -90,7 +90,7 @@ class CandidateMeasurement:
     step_seconds: float  # fastest step time of the timed runs
     outside_seconds: float  # fastest step time outside the segments
     bits_per_element: float  # stored bits per element kept after forward (nan: nothing stored through a codec)
-    # Relative L2 error of all parameter gradients together against no checkpointing, every segment under this
+    # Largest relative L2 error of a parameter's gradient against no checkpointing, every segment under this
     # candidate, same RNG seed (nan: not measured, i.e. no max_error given).
     grad_error: float = float("nan")
 
@@ -291,8 +291,8 @@ def plan(
     blocks); `candidates` are policy strings, 'none', or 'selective:<store>' (fastckpt.hybrid.selective: the
     outputs of matmuls and attention kept through <store>, the rest recomputed) (default: DEFAULT_CANDIDATES,
     which leaves 'selective:int8' out: on CPU it measured slower and larger than 'int8'). `max_error`, when
-    given, leaves out the candidates whose gradient error exceeds it: the relative L2 error of all parameter
-    gradients together against no checkpointing, measured with every segment under the candidate and the
+    given, leaves out the candidates whose gradient error exceeds it: the largest relative L2 error of a
+    parameter's gradient against no checkpointing, measured with every segment under the candidate and the
     same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs,
     but that is not guaranteed). Runs step() 2 + len(candidates) * (1 + repeats) times, plus
     1 + len(candidates) with max_error. ValueError if no assignment fits, naming the smallest budget.
@@ -684,15 +684,16 @@ def _measure(
 def _gradient_errors(
     model: nn.Module, segments: list[Segment], step: Callable[[], Any], names: list[str], device: torch.device
 ) -> dict[str, float]:
-    """Per candidate, the relative L2 error of all parameter gradients together against 'none', each run from
-    the same RNG seed (dropout draws the same masks); the caller's RNG state is restored after."""
+    """Per candidate, the largest relative L2 error of a parameter's gradient against 'none' (the project's
+    gradient-error measure), each run from the same RNG seed (dropout draws the same masks); the caller's
+    RNG state is restored after."""
     parameters = [p for p in model.parameters() if p.requires_grad]
     devices = [device] if device.type == "cuda" else []
 
-    def gradients(name: str) -> torch.Tensor:
+    def gradients(name: str) -> dict[int, torch.Tensor]:
         captured: dict[int, torch.Tensor] = {}
         handles = [
-            p.register_hook(lambda g, i=i: captured.__setitem__(i, captured.get(i, 0) + g.detach().float().flatten()))
+            p.register_hook(lambda g, i=i: captured.__setitem__(i, captured.get(i, 0) + g.detach().float()))
             for i, p in enumerate(parameters)
         ]
         try:
@@ -702,11 +703,19 @@ def _gradient_errors(
         finally:
             for handle in handles:
                 handle.remove()
-        return torch.cat([captured.get(i, torch.zeros(p.numel(), device=p.device)) for i, p in enumerate(parameters)])
+        return captured
+
+    def error(got: dict[int, torch.Tensor], reference: dict[int, torch.Tensor]) -> float:
+        errors = [0.0]
+        for i in set(got) | set(reference):
+            if i not in got or i not in reference:
+                errors.append(1.0)  # a gradient one run has and the other has not
+            else:
+                errors.append(((got[i] - reference[i]).norm() / reference[i].norm().clamp_min(1e-30)).item())
+        return max(errors)
 
     reference = gradients(NONE)
-    norm = reference.norm().clamp_min(1e-30)
-    return {name: 0.0 if name == NONE else ((gradients(name) - reference).norm() / norm).item() for name in names}
+    return {name: 0.0 if name == NONE else error(gradients(name), reference) for name in names}
 
 
 def _segment_seconds(segments: list[Segment], runs: list[list[float]]) -> list[float]:
