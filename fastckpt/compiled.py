@@ -27,6 +27,7 @@ from __future__ import annotations
 import functools
 import operator
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -183,12 +184,14 @@ class GraphStorage:
     def __init__(self, policy: Policy | None) -> None:
         self.policy = policy
         self.saved: list[SavedTensor] = []
-        self._graphs: dict[int, int] = {}  # id(forward graph) -> its number
+        # Keyed by the graphs themselves (weakly): an id() could be reused by a later graph once one is freed.
+        self._graphs: weakref.WeakKeyDictionary[torch.fx.Graph, int] = weakref.WeakKeyDictionary()  # forward -> number
+        self._count = 0
         self._seen: set[tuple[int, str]] = set()
         self._eager: SegmentStorage | None = None
         # The graphs' nodes before AOTAutograd inlined a pack (per saved node) or an unpack (per backward graph).
         self._before_pack: dict[torch.fx.Node, set[torch.fx.Node]] = {}
-        self._before_unpack: dict[int, set[torch.fx.Node]] = {}
+        self._before_unpack: weakref.WeakKeyDictionary[torch.fx.Graph, set[torch.fx.Node]] = weakref.WeakKeyDictionary()
         self.pack_hook, self.unpack_hook = _Hook(self._pack), _Hook(self._unpack)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
@@ -204,7 +207,7 @@ class GraphStorage:
                 self._eager = SegmentStorage(self.policy, label=f"{self.policy} (compiled region, eager)")
             return _EagerPacked(self._eager, self._eager.pack(t))
         node = context["_node"]
-        if id(context["_fw_graph"]) not in self._graphs:
+        if context["_fw_graph"] not in self._graphs:
             _name_rng_states_as_backward_does(context["_fw_graph"], context["_bw_graph"])
         self._before_pack.setdefault(node, set(context["_fw_graph"].nodes))
         policy = self._claim(node)
@@ -254,7 +257,7 @@ class GraphStorage:
             for node in [n for n in forward.nodes if n not in before and n.op == "call_function"]:
                 cursor.append(node)
                 cursor = node
-        previous = self._before_unpack.get(id(backward))
+        previous = self._before_unpack.get(backward)
         if previous is not None:
             group = [n for n in backward.nodes if n not in previous and n.op == "call_function"]
             position = {n: i for i, n in enumerate(backward.nodes)}
@@ -264,7 +267,7 @@ class GraphStorage:
                 first = min(users, key=position.__getitem__)
                 for node in group:
                     first.prepend(node)
-        self._before_unpack[id(backward)] = set(backward.nodes)
+        self._before_unpack[backward] = set(backward.nodes)
 
     def _claim(self, node: torch.fx.Node) -> Policy | None:
         """The policy that decides how `node` is kept: its own segment's when that segment stores what it saves
@@ -289,7 +292,11 @@ class GraphStorage:
         stored_as: str,
         stored_bytes: int,
     ) -> None:
-        graph = self._graphs.setdefault(id(context["_fw_graph"]), len(self._graphs))
+        forward = context["_fw_graph"]
+        if forward not in self._graphs:
+            self._graphs[forward] = self._count
+            self._count += 1
+        graph = self._graphs[forward]
         if (graph, node.name) in self._seen:  # AOTAutograd calls the pack hook twice per tensor
             return
         self._seen.add((graph, node.name))
