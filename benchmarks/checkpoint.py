@@ -34,6 +34,7 @@ from benchmarks import report
 from benchmarks.harness import error_line, median_times, peak_bytes, synchronize, write_csv
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, copy_model, transformers_missing, workloads
 from fastckpt import hybrid
+from fastckpt.planner import max_relative_error as max_rel_l2  # one measure for the planner and the tables
 
 STOCK = "torch non-reentrant"
 STOCK_REENTRANT = "torch reentrant"
@@ -158,17 +159,6 @@ def make_step(
             t.grad = None
 
     return step
-
-
-def max_rel_l2(grads: list, reference: list) -> float:
-    """Largest relative L2 error over the parameter gradients (a missing gradient counts as error 1)."""
-    errors = []
-    for g, r in zip(grads, reference, strict=True):
-        if g is None or r is None:
-            errors.append(0.0 if g is None and r is None else 1.0)
-        else:
-            errors.append(((g - r).float().norm() / r.float().norm().clamp_min(1e-30)).item())
-    return max(errors, default=0.0)
 
 
 @dataclass

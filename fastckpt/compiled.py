@@ -211,17 +211,16 @@ class GraphStorage:
             _name_rng_states_as_backward_does(context["_fw_graph"], context["_bw_graph"])
         self._before_pack.setdefault(node, set(context["_fw_graph"].nodes))
         policy = self._claim(node)
-        codec, reason = None, "no policy"
+        codec, reason, order = None, "no policy", dense_permutation(t)
         if policy is not None:
             reason = value_keep_plain_reason(t, policy, "graph input" if node.op == "placeholder" else None)
-            if reason is None and not t.is_contiguous() and dense_permutation(t) is None:
+            if reason is None and not t.is_contiguous() and order is None:
                 reason = "not dense"
             if reason is None:
                 codec = "mask" if t.dtype == torch.bool else policy.codec
         if codec is None:
             self._note(context, node, t, policy, f"plain ({reason})", t.numel() * t.element_size())
             return t
-        order = dense_permutation(t)
         encoded = codecs.encode(t.permute(order) if order else t, codec, None, False)
         layout = tuple(order.index(d) for d in range(t.dim())) if order else ()
         stored_bytes = sum(x.numel() * x.element_size() for x in encoded.payload)

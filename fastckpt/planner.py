@@ -690,7 +690,7 @@ def _gradient_errors(
     parameters = [p for p in model.parameters() if p.requires_grad]
     devices = [device] if device.type == "cuda" else []
 
-    def gradients(name: str) -> dict[int, torch.Tensor]:
+    def gradients(name: str) -> list[torch.Tensor | None]:
         captured: dict[int, torch.Tensor] = {}
         handles = [
             p.register_hook(lambda g, i=i: captured.__setitem__(i, captured.get(i, 0) + g.detach().float()))
@@ -703,19 +703,22 @@ def _gradient_errors(
         finally:
             for handle in handles:
                 handle.remove()
-        return captured
-
-    def error(got: dict[int, torch.Tensor], reference: dict[int, torch.Tensor]) -> float:
-        errors = [0.0]
-        for i in set(got) | set(reference):
-            if i not in got or i not in reference:
-                errors.append(1.0)  # a gradient one run has and the other has not
-            else:
-                errors.append(((got[i] - reference[i]).norm() / reference[i].norm().clamp_min(1e-30)).item())
-        return max(errors)
+        return [captured.get(i) for i in range(len(parameters))]
 
     reference = gradients(NONE)
-    return {name: 0.0 if name == NONE else error(gradients(name), reference) for name in names}
+    return {name: 0.0 if name == NONE else max_relative_error(gradients(name), reference) for name in names}
+
+
+def max_relative_error(grads: Sequence[torch.Tensor | None], reference: Sequence[torch.Tensor | None]) -> float:
+    """Largest relative L2 error over parameter gradients, paired in order (a gradient one side has and the
+    other has not counts as error 1): the project's gradient-error measure."""
+    errors = []
+    for g, r in zip(grads, reference, strict=True):
+        if g is None or r is None:
+            errors.append(0.0 if g is None and r is None else 1.0)
+        else:
+            errors.append(((g - r).float().norm() / r.float().norm().clamp_min(1e-30)).item())
+    return max(errors, default=0.0)
 
 
 def _segment_seconds(segments: list[Segment], runs: list[list[float]]) -> list[float]:
