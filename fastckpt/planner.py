@@ -54,7 +54,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from fastckpt import hybrid
+from fastckpt import hybrid, tiling
 from fastckpt.api import CheckpointWrapper, wrap
 from fastckpt.memory import MemoryTrace
 from fastckpt.policies import Policy
@@ -288,11 +288,14 @@ def plan(
     `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate
     above what is live before it, or "N%" of stock checkpointing's peak; the segments are the submodules
     `check_fn` selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical
-    blocks); `candidates` are policy strings, 'none', or 'selective:<store>' (fastckpt.hybrid.selective: the
-    outputs of matmuls and attention kept through <store>, the rest recomputed) (default: DEFAULT_CANDIDATES,
-    which leaves 'selective:int8' out: on CPU it measured slower and larger than 'int8'). `max_error`, when
-    given, leaves out the candidates whose gradient error exceeds it: the largest relative L2 error of a
-    parameter's gradient against no checkpointing, measured with every segment under the candidate and the
+    blocks); `candidates` are policy strings, 'none', 'selective:<store>' (fastckpt.hybrid.selective: the
+    outputs of matmuls and attention kept through <store>, the rest recomputed) or 'batch<N>:<policy>'
+    (fastckpt.tiled(segment, N, dim=0, policy): the segment's batch in N slices, each checkpointed, so its
+    backward holds one slice's activations; only for segments that treat every sample alone and take one
+    batched input) (default: DEFAULT_CANDIDATES, which leaves 'selective:int8' out, on CPU it measured
+    slower and larger than 'int8', and batch slices, which need the caller's word that they are exact).
+    `max_error`, when given, leaves out the candidates whose gradient error exceeds it: the largest relative
+    L2 error of a parameter's gradient against no checkpointing, measured with every segment under the candidate and the
     same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs,
     but that is not guaranteed). Runs step() 2 + len(candidates) * (1 + repeats) times, plus
     1 + len(candidates) with max_error. ValueError if no assignment fits, naming the smallest budget.
@@ -377,7 +380,8 @@ def _candidate_names(candidates: Iterable[str | Policy] | None) -> list[str]:
         except (TypeError, ValueError) as error:
             raise ValueError(
                 f"plan: candidate {candidate!r}: {error} (or '{NONE}' for no checkpoint, "
-                f"'{hybrid.PREFIX}<codec>' for selective checkpointing)"
+                f"'{hybrid.PREFIX}<codec>' for selective checkpointing, '{tiling.BATCH_PREFIX}<N>:<recompute policy>' "
+                "for batch slices)"
             ) from None
         if isinstance(candidate, Policy) and candidate.rule is not None:
             raise ValueError(f"plan: candidate {candidate!r} has a per-tensor rule; the planner takes policy strings")
@@ -390,12 +394,13 @@ def _candidate_names(candidates: Iterable[str | Policy] | None) -> list[str]:
 
 
 def _name(candidate: str | Policy | None) -> str:
-    """A candidate's canonical name: 'none', a policy string, or 'selective:<store>' (fastckpt.hybrid)."""
+    """A candidate's canonical name: 'none', a policy string, 'selective:<store>' (fastckpt.hybrid) or
+    'batch<N>:<policy>' (fastckpt.tiling)."""
     if candidate is None or candidate == NONE:
         return NONE
-    selective = hybrid.parse_candidate(candidate)
-    if selective is not None:
-        return str(selective)
+    special = hybrid.parse_candidate(candidate) or tiling.parse_candidate(candidate)
+    if special is not None:
+        return str(special)
     return str(Policy.parse(candidate))
 
 
@@ -406,6 +411,9 @@ def _runner(module: nn.Module, name: str) -> nn.Module:
     selective = hybrid.parse_candidate(name)
     if selective is not None:
         return hybrid.wrap(module, selective)
+    batch_split = tiling.parse_candidate(name)
+    if batch_split is not None:
+        return batch_split.wrap(module)
     return wrap(module, name)
 
 

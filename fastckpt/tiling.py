@@ -1,15 +1,20 @@
-"""`fastckpt.tiled`: run a position-wise module (an MLP, say) on its input in chunks, each checkpointed.
+"""`fastckpt.tiled`: run a module on its input in chunks, each checkpointed.
 
 A checkpointed segment's backward still holds all of its own activations and their gradients at once:
-for a transformer MLP on a long sequence those are several (tokens x 4 hidden) tensors, more than the rest
-of the step keeps. A module that treats every position alone gives the same output on slices of its
-input, so running it chunk by chunk along the sequence, each chunk under `checkpoint`, leaves one chunk's
-activations alive in backward instead of all of them. The wrapped module's parameters receive the sum of
-the chunks' gradients (the same value as untiled, summed in another order).
+for a transformer MLP on a long sequence those are several (tokens x 4 hidden) tensors, for attention the
+projections, their gradients and the kernel's buffers, more than the rest of the step keeps. A module that
+treats every position along a dimension alone gives the same output on slices of its input, so running it
+chunk by chunk, each chunk under `checkpoint`, leaves one chunk's activations alive in backward instead of
+all of them: along the tokens for position-wise modules (an MLP), along the batch for any module that
+treats every sample alone (attention, a whole transformer block). The wrapped module's parameters receive
+the sum of the chunks' gradients (the same value as untiled, summed in another order).
+
+The planner takes batch slicing as a candidate: 'batch<N>:<recompute policy>' (`parse_candidate`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -40,6 +45,15 @@ class TiledWrapper(CheckpointWrapper):
             ]
         if not all(isinstance(out, torch.Tensor) for out in outputs):
             raise TypeError("fastckpt.tiled: the wrapped module must return one tensor (the chunks are concatenated)")
+        for piece, out in zip(x.chunk(self.chunks, dim=self.dim), outputs, strict=True):
+            # A slice that comes back another size along `dim` was broadcast against, or mixed with, something
+            # unsplit (another input that carries the batch, say): concatenating would silently be wrong.
+            if out.dim() != piece.dim() or out.shape[self.dim] != piece.shape[self.dim]:
+                raise ValueError(
+                    f"fastckpt.tiled: a slice of size {piece.shape[self.dim]} along dim={self.dim} gave an output of "
+                    f"shape {tuple(out.shape)}; the module must keep that dimension where it is, and only the first "
+                    "input is split (other inputs reach every slice whole, so none may carry that dimension)"
+                )
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=self.dim)
 
     def extra_repr(self) -> str:
@@ -56,8 +70,11 @@ def tiled(
     """`module` run on `chunks` slices of its first input along `dim` (default 1: the tokens of a
     (batch, tokens, features) tensor), each slice checkpointed with `policy`, the outputs concatenated.
 
-    Only for modules that treat every position along `dim` alone (a transformer MLP, a norm over features),
-    whose output has that dimension at the same place: attention mixes positions and must not be tiled.
+    Only for modules that treat every position along `dim` alone, whose output has that dimension at the
+    same place: along the tokens (dim=1) a transformer MLP or a norm over features, never attention (it
+    mixes tokens); along the batch (dim=0) any module that treats every sample alone, attention and whole
+    transformer blocks included, not BatchNorm. Only the first input is split; other inputs reach every
+    slice whole, so none may carry the split dimension (an output of the wrong size raises an error).
     Random ops (dropout) draw per chunk, so their masks differ from an untiled run's (same distribution).
     """
     if not isinstance(module, torch.nn.Module):
@@ -75,3 +92,38 @@ def tiled(
             "use a recompute policy ('recompute', 'recompute+int8', ...)"
         )
     return TiledWrapper(module, chunks, dim, resolved)
+
+
+BATCH_PREFIX = "batch"  # planner candidates: 'batch2:recompute+int8' is tiled(segment, 2, dim=0, 'recompute+int8')
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """A planner candidate: the segment run on `chunks` slices of its batch, each checkpointed with `policy`."""
+
+    chunks: int
+    policy: Policy
+
+    def __str__(self) -> str:
+        return f"{BATCH_PREFIX}{self.chunks}:{self.policy}"
+
+    def wrap(self, module: torch.nn.Module) -> TiledWrapper:
+        return tiled(module, self.chunks, dim=0, policy=self.policy)
+
+
+def parse_candidate(name: object) -> BatchSplit | None:
+    """'batch<N>:<recompute policy>' (a planner candidate) as a BatchSplit; None for any other string."""
+    if not isinstance(name, str):
+        return None
+    head, colon, policy = name.strip().partition(":")
+    if not (colon and head.startswith(BATCH_PREFIX)):
+        return None
+    count = head[len(BATCH_PREFIX) :].strip()
+    if not (count.isdigit() and int(count) >= 2):
+        raise ValueError(
+            f"{name!r}: write the number of batch slices (>= 2) after {BATCH_PREFIX!r}, e.g. 'batch2:recompute'"
+        )
+    resolved = Policy.parse(policy.strip())
+    if not resolved.recompute:
+        raise ValueError(f"{name!r}: batch slices need a recompute policy ('recompute', 'recompute+int8', ...)")
+    return BatchSplit(int(count), resolved)

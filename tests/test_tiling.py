@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt import tiling
 from fastckpt.memory import peak_bytes
 
 
@@ -124,3 +125,75 @@ def test_bad_modules_and_inputs_are_named():
         fastckpt.tiled(fastckpt.wrap(mlp()), 2)
     with pytest.raises(TypeError, match="first input"):
         fastckpt.tiled(mlp(), 2)([torch.randn(2, 4, 32)])
+
+
+class AttentionHalf(torch.nn.Module):
+    """x + attention(norm(x)): mixes the tokens of a sample, never two samples."""
+
+    def __init__(self, width: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.LayerNorm(width)
+        self.attn = torch.nn.MultiheadAttention(width, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+def test_attention_along_the_batch_gives_the_untiled_result(chunks):
+    x = torch.randn(4, 40, 32)
+    y, grads = run(AttentionHalf(), x)
+    y_tiled, grads_tiled = run(fastckpt.tiled(AttentionHalf(), chunks, dim=0, policy="recompute"), x)
+    torch.testing.assert_close(y_tiled, y, rtol=1e-6, atol=1e-6)  # each sample attends to its own tokens
+    assert rel(grads_tiled, grads) < 1e-5
+
+
+def test_attention_along_the_batch_holds_one_slice_in_backward():
+    module = AttentionHalf(64)
+    x = torch.randn(4, 512, 64, requires_grad=True)
+
+    def step(run_module):
+        return lambda: run_module(x).pow(2).mean().backward()
+
+    whole = peak_bytes(step(lambda h: fastckpt.checkpoint(module, h)))
+    sliced = peak_bytes(step(fastckpt.tiled(module, 4, dim=0)))
+    assert sliced < 0.6 * whole
+
+
+def test_an_unsplit_input_that_carries_the_split_dimension_is_an_error():
+    class AddBias(torch.nn.Module):
+        def forward(self, x, bias):
+            return x + bias  # bias (batch, 1, features) broadcasts a batch slice back to the whole batch
+
+    x, bias = torch.randn(2, 4, 8), torch.randn(2, 1, 8)
+    with pytest.raises(ValueError, match="only the first input is split"):
+        fastckpt.tiled(AddBias(), 2, dim=0)(x, bias)
+    torch.testing.assert_close(fastckpt.tiled(AddBias(), 2, dim=0)(x, bias[:1]), x + bias[:1])
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("batch2:recompute+int8", "batch2:recompute+int8"),
+        (" batch4 : recompute ", "batch4:recompute"),
+        ("batch2:recompute:int8+int8", "batch2:recompute:int8+int8"),
+        ("recompute:int8", None),
+        ("int8", None),
+        ("selective:int8", None),
+    ],
+)
+def test_batch_candidates_parse(name, expected):
+    parsed = tiling.parse_candidate(name)
+    assert (None if parsed is None else str(parsed)) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "named"),
+    [("batch1:recompute", "number of batch slices"), ("batchx:recompute", "number of batch slices"),
+     ("batch2:int8", "recompute policy"), ("batch2:int5", "int5")],
+)  # fmt: skip
+def test_bad_batch_candidates_are_named(name, named):
+    with pytest.raises(ValueError, match=named):
+        tiling.parse_candidate(name)
