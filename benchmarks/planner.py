@@ -6,7 +6,8 @@ table to that run's results.md.
 Two workloads: the long-context stack (8 pre-LN GPT-2-style blocks, hidden 128, 2 heads of 64, batch
 2 x 2048 tokens, attention through the fused SDPA kernel) and the GPT-2 stack of benchmarks/workloads.py
 ('gpt2'). For each, the planner measures its candidates once (fastckpt.planner.measure, max_error=5e-2:
-candidates whose gradient error exceeds the target are left out), then plans for
+candidates whose gradient error exceeds the target are left out; CANDIDATES: the default ones and batch
+slices, 'batch2:<recompute policy>'), then plans for
 budgets of 100%, 70%, 50% and 30% of stock torch.utils.checkpoint's peak measured here
 (benchmarks.harness.peak_bytes). Each feasible plan is applied and measured like the baselines: peak
 (harness.peak_bytes), median step time in interleaved rounds (harness.median_times), gradient error
@@ -40,6 +41,10 @@ from benchmarks.workloads import GPT2Block, GPT2Stack, StackShape, Workload, wor
 from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, measure  # noqa: E402
 
 BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of stock checkpoint's measured peak
+# Every workload's blocks treat each sample alone, so the planner may also run a segment on its batch in two
+# slices (fastckpt.tiled(segment, 2, dim=0, policy)); the gradient-error bound checks the result.
+BATCH_CANDIDATES = ("batch2:recompute", "batch2:recompute+int8", "batch2:recompute:int8+int8")
+CANDIDATES = (*DEFAULT_CANDIDATES, *BATCH_CANDIDATES)
 TARGETS = {"fit": 0.05, "half_time": 1.05, "half_error": 5e-2, "full_time": 0.85, "prediction": 0.10}
 
 LONG_CONTEXT = {
@@ -407,11 +412,11 @@ def main(
     threads = torch.get_num_threads() if dev.type == "cpu" else None
     print(f"fastckpt {fastckpt.__version__} planner, torch {torch.__version__} on {device}", end="")
     print(f" ({threads} threads)" if threads else f" ({torch.cuda.get_device_name(dev)})")
-    print(f"candidates: {', '.join(DEFAULT_CANDIDATES)}; {repeats} timed run(s) per candidate, plans timed over")
+    print(f"candidates: {', '.join(CANDIDATES)}; {repeats} timed run(s) per candidate, plans timed over")
     print(f"{rounds} interleaved rounds; budgets are fractions of stock torch.utils.checkpoint's measured peak")
     every = []
     for workload, check_fn in chosen:
-        rows, measurements = run_workload(workload, dev, list(DEFAULT_CANDIDATES), repeats, rounds, check_fn)
+        rows, measurements = run_workload(workload, dev, list(CANDIDATES), repeats, rounds, check_fn)
         _print(workload, rows, measurements, rows[0]["measure_s"])
         for line in _targets(rows):
             print(f"  target {line}")

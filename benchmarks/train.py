@@ -19,12 +19,13 @@ from torch import nn
 import fastckpt
 import fastckpt.planner
 from benchmarks.harness import error_line, finish, quiet_profiler_logs
+from benchmarks.planner import CANDIDATES
 from benchmarks.workloads import GPT2Block
 
 CORPUS_FILES = ["argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
                 "subprocess.py", "typing.py", "threading.py"]  # fmt: skip
 PLAN_BUDGET = 0.5  # the planned row: fastckpt.plan at this fraction of stock checkpoint's peak
-PLAN_CANDIDATES = None  # the policies it may choose from (None: the planner's defaults)
+PLAN_CANDIDATES = CANDIDATES  # the policies it may choose from: the planner benchmark's (defaults and batch slices)
 PLAN_MAX_ERROR = 5e-2  # and the gradient error each may show (the bound; without it int4 plans lost 1.5%)
 
 
