@@ -27,6 +27,7 @@ use_reentrant=False), in eager mode; torch 2.14 or later when `store` changes ho
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -39,14 +40,17 @@ from fastckpt.policies import Policy
 from fastckpt.storage.packer import SegmentStorage
 
 PREFIX = "selective:"  # planner candidates and labels: 'selective:int8' is selective(store='int8')
+# ... and 'selective-attention:int8' is selective(save=attention_ops(), store='int8'): only the fused attention
+# kept, so a recomputation reruns the cheap projections and pointwise ops but not the attention kernel.
+ATTENTION_PREFIX = "selective-attention:"
 
 # What `save` defaults to: matrix products, convolutions and fused attention, the ops whose outputs are
 # costly to recompute and whose neighbours (norms, activations, dropout, residual adds) are cheap.
-_DEFAULT_SAVE_NAMES = (
-    "mm", "addmm", "bmm", "baddbmm", "convolution",
+_ATTENTION_NAMES = (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
 )  # fmt: skip
+_DEFAULT_SAVE_NAMES = ("mm", "addmm", "bmm", "baddbmm", "convolution", *_ATTENTION_NAMES)
 
 OpSelection = Iterable[Any] | Callable[..., Any]
 
@@ -54,6 +58,11 @@ OpSelection = Iterable[Any] | Callable[..., Any]
 def default_save_ops() -> tuple[torch._ops.OpOverloadPacket, ...]:
     """The ops `selective()` saves by default (those this torch has): matmuls, convolution, fused attention."""
     return tuple(getattr(torch.ops.aten, name) for name in _DEFAULT_SAVE_NAMES if hasattr(torch.ops.aten, name))
+
+
+def attention_ops() -> tuple[torch._ops.OpOverloadPacket, ...]:
+    """The fused attention kernels of `default_save_ops()` (those this torch has), for `save=`."""
+    return tuple(getattr(torch.ops.aten, name) for name in _ATTENTION_NAMES if hasattr(torch.ops.aten, name))
 
 
 def _sac_honours_hooks() -> bool:
@@ -99,7 +108,12 @@ class Selective:
         return _SelectiveForward(forward, self.store, str(self)), recompute
 
     def __str__(self) -> str:
-        return f"{PREFIX}{self.store}"
+        return f"{ATTENTION_PREFIX if self.ops == attention_ops() else PREFIX}{self.store}"
+
+    def candidate_policy(self) -> Policy:
+        """The recompute policy a planner candidate 'selective:<store>' runs under: the segment's inputs kept
+        through the same codec and offload as the saved outputs."""
+        return dataclasses.replace(self.store, recompute=True)
 
     def __repr__(self) -> str:
         save = [str(op) for op in self.ops] if self.ops else getattr(self._policy_fn, "__name__", "policy_fn")
@@ -155,14 +169,18 @@ class SelectiveWrapper(CheckpointWrapper):
 
 
 def parse_candidate(name: str) -> Selective | None:
-    """'selective:<store>' (a planner candidate) as selective(store=<store>) with the default ops; None for
-    any other string."""
-    if not isinstance(name, str) or not name.strip().startswith(PREFIX):
+    """'selective:<store>' (a planner candidate) as selective(store=<store>) with the default ops,
+    'selective-attention:<store>' with the fused attention ops only; None for any other string. The planner
+    runs it under `candidate_policy()` (the segment's inputs kept through <store> too)."""
+    if not isinstance(name, str):
         return None
-    store = name.strip()[len(PREFIX) :].strip()
-    if not store:
-        raise ValueError(f"{name!r}: name a storage policy after {PREFIX!r}, e.g. 'selective:int8'")
-    return Selective(store=store)
+    for prefix, ops in ((PREFIX, None), (ATTENTION_PREFIX, attention_ops())):
+        if name.strip().startswith(prefix):
+            store = name.strip()[len(prefix) :].strip()
+            if not store:
+                raise ValueError(f"{name!r}: name a storage policy after {prefix!r}, e.g. '{prefix}int8'")
+            return Selective(save=ops, store=store)
+    return None
 
 
 # ---- internals -------------------------------------------------------------------------------------------

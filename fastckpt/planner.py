@@ -410,7 +410,7 @@ def _runner(module: nn.Module, name: str) -> nn.Module:
         return module
     selective = hybrid.parse_candidate(name)
     if selective is not None:
-        return hybrid.wrap(module, selective)
+        return hybrid.wrap(module, selective, selective.candidate_policy())
     batch_split = tiling.parse_candidate(name)
     if batch_split is not None:
         return batch_split.wrap(module)

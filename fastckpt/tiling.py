@@ -14,11 +14,13 @@ The planner takes batch slicing as a candidate: 'batch<N>:<recompute policy>' (`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fastckpt import hybrid
 from fastckpt.api import CheckpointWrapper, checkpoint
 from fastckpt.policies import Policy
 
@@ -27,10 +29,18 @@ class TiledWrapper(CheckpointWrapper):
     """A module run chunk by chunk along `dim` of its first input, each chunk checkpointed with `policy`;
     its state dict is exactly the wrapped module's."""
 
-    def __init__(self, module: torch.nn.Module, chunks: int, dim: int, policy: str | Policy | None) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        chunks: int,
+        dim: int,
+        policy: str | Policy | None,
+        context_fn: Callable[[], Any] | None = None,
+    ) -> None:
         super().__init__(module, policy, use_reentrant=False)
         self.chunks = chunks
         self.dim = dim
+        self.context_fn = context_fn
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
@@ -38,9 +48,12 @@ class TiledWrapper(CheckpointWrapper):
         # Each chunk under a non-reentrant checkpoint, shielded from outer saved-tensor hooks (a storage policy
         # around this module): nested under hooks that copy what they pack, the engine would see the chunk's
         # saves in another order when it recomputes (torch's checkpoint does too).
+        options: dict[str, Any] = {"use_reentrant": False, "policy": self.policy}
+        if self.context_fn is not None:
+            options["context_fn"] = self.context_fn
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
             outputs = [
-                checkpoint(self.checkpointed, piece, *args, use_reentrant=False, policy=self.policy, **kwargs)
+                checkpoint(self.checkpointed, piece, *args, **options, **kwargs)
                 for piece in x.chunk(self.chunks, dim=self.dim)
             ]
         if not all(isinstance(out, torch.Tensor) for out in outputs):
@@ -65,7 +78,12 @@ def _keep(t: torch.Tensor) -> torch.Tensor:
 
 
 def tiled(
-    module: torch.nn.Module, chunks: int, *, dim: int = 1, policy: str | Policy | None = "recompute"
+    module: torch.nn.Module,
+    chunks: int,
+    *,
+    dim: int = 1,
+    policy: str | Policy | None = "recompute",
+    context_fn: Callable[[], Any] | None = None,
 ) -> TiledWrapper:
     """`module` run on `chunks` slices of its first input along `dim` (default 1: the tokens of a
     (batch, tokens, features) tensor), each slice checkpointed with `policy`, the outputs concatenated.
@@ -76,6 +94,7 @@ def tiled(
     transformer blocks included, not BatchNorm. Only the first input is split; other inputs reach every
     slice whole, so none may carry the split dimension (an output of the wrong size raises an error).
     Random ops (dropout) draw per chunk, so their masks differ from an untiled run's (same distribution).
+    `context_fn` is passed to every chunk's checkpoint (a fastckpt.hybrid.selective, say).
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(f"fastckpt.tiled: `module` must be a torch.nn.Module, got {type(module)}")
@@ -91,28 +110,35 @@ def tiled(
             f"fastckpt.tiled: policy={str(resolved)!r} stores every chunk's activations, so tiling saves nothing; "
             "use a recompute policy ('recompute', 'recompute+int8', ...)"
         )
-    return TiledWrapper(module, chunks, dim, resolved)
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(f"fastckpt.tiled: `context_fn` must be callable (a checkpoint context_fn), got {context_fn!r}")
+    return TiledWrapper(module, chunks, dim, resolved, context_fn)
 
 
-BATCH_PREFIX = "batch"  # planner candidates: 'batch2:recompute+int8' is tiled(segment, 2, dim=0, 'recompute+int8')
+# Planner candidates: 'batch2:recompute+int8' is tiled(segment, 2, dim=0, policy='recompute+int8'), and
+# 'batch2:selective-attention:int8' is tiled(segment, 2, dim=0, context_fn=hybrid.selective(...)).
+BATCH_PREFIX = "batch"
 
 
 @dataclass(frozen=True)
 class BatchSplit:
-    """A planner candidate: the segment run on `chunks` slices of its batch, each checkpointed with `policy`."""
+    """A planner candidate: the segment run on `chunks` slices of its batch, each checkpointed with `policy`
+    (and `selective` as its context_fn, when given)."""
 
     chunks: int
     policy: Policy
+    selective: hybrid.Selective | None = None
 
     def __str__(self) -> str:
-        return f"{BATCH_PREFIX}{self.chunks}:{self.policy}"
+        return f"{BATCH_PREFIX}{self.chunks}:{self.selective if self.selective is not None else self.policy}"
 
     def wrap(self, module: torch.nn.Module) -> TiledWrapper:
-        return tiled(module, self.chunks, dim=0, policy=self.policy)
+        return tiled(module, self.chunks, dim=0, policy=self.policy, context_fn=self.selective)
 
 
 def parse_candidate(name: object) -> BatchSplit | None:
-    """'batch<N>:<recompute policy>' (a planner candidate) as a BatchSplit; None for any other string."""
+    """'batch<N>:<recompute policy or selective candidate>' (a planner candidate) as a BatchSplit; None for
+    any other string."""
     if not isinstance(name, str):
         return None
     head, colon, policy = name.strip().partition(":")
@@ -123,6 +149,9 @@ def parse_candidate(name: object) -> BatchSplit | None:
         raise ValueError(
             f"{name!r}: write the number of batch slices (>= 2) after {BATCH_PREFIX!r}, e.g. 'batch2:recompute'"
         )
+    selective = hybrid.parse_candidate(policy)
+    if selective is not None:
+        return BatchSplit(int(count), selective.candidate_policy(), selective)
     resolved = Policy.parse(policy.strip())
     if not resolved.recompute:
         raise ValueError(f"{name!r}: batch slices need a recompute policy ('recompute', 'recompute+int8', ...)")

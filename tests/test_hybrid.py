@@ -198,8 +198,37 @@ def test_wrap_keeps_the_state_dict_and_stores_through_the_codec():
     assert all(p.grad is not None for p in block.parameters())
 
 
+@needs_hooks
+def test_attention_only_keeps_the_attention_kernel_out_of_the_recomputation():
+    torch.manual_seed(0)
+    model = nn.Sequential(TransformerBlock(dim=64, heads=4, dropout=0.0))  # no dropout: the fused kernel runs
+    x = torch.randn(2, 128, 64)
+    plain = _grads(model, x, lambda block, h: block(h))
+    context_fn = hybrid.selective(save=hybrid.attention_ops(), store="int8")
+    assert str(context_fn) == "selective-attention:int8"
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu
+
+    x_in = x.clone().requires_grad_(True)
+    with fastckpt.track() as report:
+        out = fastckpt.checkpoint(model[0], x_in, context_fn=context_fn)
+    with OpCounter() as counter:
+        out.pow(2).mean().backward()
+    assert counter.counts[sdpa] == 0 and counter.counts[aten.addmm] > 0  # projections rerun, attention not
+    (kept,) = [s for s in report.segments if s.policy == "selective-attention:int8"]
+    assert kept.codecs == {"int8"} and kept.raw_elements >= 2 * 128 * 64  # the attention output (and its lse)
+    out = fastckpt.checkpoint(model[0], x_in)
+    with OpCounter() as counter:
+        out.pow(2).mean().backward()
+    assert counter.counts[sdpa] == 1  # plain recomputation reruns the kernel
+    ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=context_fn))
+    assert 0 < _rel(ours, plain) <= 1e-2
+
+
 def test_parse_candidate():
     assert str(hybrid.parse_candidate("selective:int4")) == "selective:int4"
+    attention = hybrid.parse_candidate("selective-attention:int8")
+    assert str(attention) == "selective-attention:int8" and attention.ops == hybrid.attention_ops()
+    assert str(attention.candidate_policy()) == "recompute+int8"
     assert hybrid.parse_candidate("recompute+int8") is None
     with pytest.raises(ValueError, match="name a storage policy"):
         hybrid.parse_candidate("selective:")

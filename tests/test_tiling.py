@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import tiling
+from fastckpt import hybrid, tiling
 from fastckpt.memory import peak_bytes
 
 
@@ -179,6 +179,7 @@ def test_an_unsplit_input_that_carries_the_split_dimension_is_an_error():
         ("batch2:recompute+int8", "batch2:recompute+int8"),
         (" batch4 : recompute ", "batch4:recompute"),
         ("batch2:recompute:int8+int8", "batch2:recompute:int8+int8"),
+        ("batch2:selective-attention:int8", "batch2:selective-attention:int8"),
         ("recompute:int8", None),
         ("int8", None),
         ("selective:int8", None),
@@ -197,3 +198,17 @@ def test_batch_candidates_parse(name, expected):
 def test_bad_batch_candidates_are_named(name, named):
     with pytest.raises(ValueError, match=named):
         tiling.parse_candidate(name)
+
+
+@pytest.mark.skipif(not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14")
+def test_batch_slices_with_a_selective_candidate():
+    candidate = tiling.parse_candidate("batch2:selective-attention:int8")
+    assert str(candidate.policy) == "recompute+int8" and str(candidate.selective) == "selective-attention:int8"
+    module = candidate.wrap(AttentionHalf())
+    assert isinstance(module, tiling.TiledWrapper) and (module.chunks, module.dim) == (2, 0)
+    x = torch.randn(4, 40, 32)
+    _, plain = run(AttentionHalf(), x)
+    with fastckpt.track() as report:
+        _, got = run(module, x)
+    assert 0 < rel(got, plain) <= 1e-2
+    assert [s.policy for s in report.segments] == ["recompute+int8", "selective-attention:int8"] * 2  # per slice
