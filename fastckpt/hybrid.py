@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -110,11 +111,6 @@ class Selective:
     def __str__(self) -> str:
         return f"{ATTENTION_PREFIX if self.ops == attention_ops() else PREFIX}{self.store}"
 
-    def candidate_policy(self) -> Policy:
-        """The recompute policy a planner candidate 'selective:<store>' runs under: the segment's inputs kept
-        through the same codec and offload as the saved outputs."""
-        return dataclasses.replace(self.store, recompute=True)
-
     def __repr__(self) -> str:
         save = [str(op) for op in self.ops] if self.ops else getattr(self._policy_fn, "__name__", "policy_fn")
         return f"fastckpt.hybrid.selective(save={save}, store={str(self.store)!r})"
@@ -168,18 +164,44 @@ class SelectiveWrapper(CheckpointWrapper):
         )
 
 
-def parse_candidate(name: str) -> Selective | None:
-    """'selective:<store>' (a planner candidate) as selective(store=<store>) with the default ops,
-    'selective-attention:<store>' with the fused attention ops only; None for any other string. The planner
-    runs it under `candidate_policy()` (the segment's inputs kept through <store> too)."""
+@dataclass(frozen=True)
+class Candidate:
+    """A planner candidate: segments checkpointed under `policy` with `selective` as their context_fn."""
+
+    selective: Selective
+    policy: Policy
+
+    def __str__(self) -> str:
+        prefix = ATTENTION_PREFIX if self.selective.ops == attention_ops() else PREFIX
+        store = self.selective.store
+        return f"{prefix}{store if self.policy == dataclasses.replace(store, recompute=True) else self.policy}"
+
+    def wrap(self, module: torch.nn.Module) -> SelectiveWrapper:
+        return wrap(module, self.selective, self.policy)
+
+
+def parse_candidate(name: str) -> Candidate | None:
+    """A planner candidate 'selective:<spec>' (the default ops) or 'selective-attention:<spec>' (the fused
+    attention only); None for any other string. <spec> is a storage policy ('int8': the kept outputs and the
+    segment's inputs int8, the segment under 'recompute+int8') or a recompute policy with a codec
+    ('recompute:int8+int8': the segment under it, the kept outputs through its codec)."""
     if not isinstance(name, str):
         return None
     for prefix, ops in ((PREFIX, None), (ATTENTION_PREFIX, attention_ops())):
         if name.strip().startswith(prefix):
-            store = name.strip()[len(prefix) :].strip()
-            if not store:
+            text = name.strip()[len(prefix) :].strip()
+            if not text:
                 raise ValueError(f"{name!r}: name a storage policy after {prefix!r}, e.g. '{prefix}int8'")
-            return Selective(save=ops, store=store)
+            spec = Policy.parse(text)
+            if not spec.recompute:
+                return Candidate(Selective(save=ops, store=spec), dataclasses.replace(spec, recompute=True))
+            if spec.codec is None:
+                raise ValueError(
+                    f"{name!r}: a recompute policy after {prefix!r} needs a codec for the kept outputs, e.g. "
+                    f"'{prefix}recompute:int8+int8'"
+                )
+            store = dataclasses.replace(spec, recompute=False, recompute_codec=None)
+            return Candidate(Selective(save=ops, store=store), spec)
     return None
 
 

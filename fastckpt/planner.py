@@ -408,12 +408,9 @@ def _runner(module: nn.Module, name: str) -> nn.Module:
     """`module` as candidate `name` runs it: itself ('none'), or wrapped by fastckpt."""
     if name == NONE:
         return module
-    selective = hybrid.parse_candidate(name)
-    if selective is not None:
-        return hybrid.wrap(module, selective, selective.candidate_policy())
-    batch_split = tiling.parse_candidate(name)
-    if batch_split is not None:
-        return batch_split.wrap(module)
+    special = hybrid.parse_candidate(name) or tiling.parse_candidate(name)
+    if special is not None:
+        return special.wrap(module)
     return wrap(module, name)
 
 

@@ -122,18 +122,19 @@ BATCH_PREFIX = "batch"
 
 @dataclass(frozen=True)
 class BatchSplit:
-    """A planner candidate: the segment run on `chunks` slices of its batch, each checkpointed with `policy`
-    (and `selective` as its context_fn, when given)."""
+    """A planner candidate: the segment run on `chunks` slices of its batch, each checkpointed as `inner` (a
+    recompute policy, or a selective candidate: its policy and context_fn)."""
 
     chunks: int
-    policy: Policy
-    selective: hybrid.Selective | None = None
+    inner: Policy | hybrid.Candidate
 
     def __str__(self) -> str:
-        return f"{BATCH_PREFIX}{self.chunks}:{self.selective if self.selective is not None else self.policy}"
+        return f"{BATCH_PREFIX}{self.chunks}:{self.inner}"
 
     def wrap(self, module: torch.nn.Module) -> TiledWrapper:
-        return tiled(module, self.chunks, dim=0, policy=self.policy, context_fn=self.selective)
+        if isinstance(self.inner, hybrid.Candidate):
+            return tiled(module, self.chunks, dim=0, policy=self.inner.policy, context_fn=self.inner.selective)
+        return tiled(module, self.chunks, dim=0, policy=self.inner)
 
 
 def parse_candidate(name: object) -> BatchSplit | None:
@@ -151,7 +152,7 @@ def parse_candidate(name: object) -> BatchSplit | None:
         )
     selective = hybrid.parse_candidate(policy)
     if selective is not None:
-        return BatchSplit(int(count), selective.candidate_policy(), selective)
+        return BatchSplit(int(count), selective)
     resolved = Policy.parse(policy.strip())
     if not resolved.recompute:
         raise ValueError(f"{name!r}: batch slices need a recompute policy ('recompute', 'recompute+int8', ...)")

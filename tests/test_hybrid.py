@@ -227,8 +227,15 @@ def test_attention_only_keeps_the_attention_kernel_out_of_the_recomputation():
 def test_parse_candidate():
     assert str(hybrid.parse_candidate("selective:int4")) == "selective:int4"
     attention = hybrid.parse_candidate("selective-attention:int8")
-    assert str(attention) == "selective-attention:int8" and attention.ops == hybrid.attention_ops()
-    assert str(attention.candidate_policy()) == "recompute+int8"
+    assert str(attention) == "selective-attention:int8" and attention.selective.ops == hybrid.attention_ops()
+    assert str(attention.policy) == "recompute+int8" and str(attention.selective.store) == "int8"
+    assert str(hybrid.parse_candidate(" selective-attention: recompute+int8 ")) == "selective-attention:int8"
+    compressed = hybrid.parse_candidate("selective-attention:recompute:int8+int8")
+    assert str(compressed) == "selective-attention:recompute:int8+int8"
+    assert str(compressed.policy) == "recompute:int8+int8" and str(compressed.selective.store) == "int8"
+    assert str(hybrid.parse_candidate("selective:save").policy) == "recompute"  # torch's SAC, inputs plain
+    with pytest.raises(ValueError, match="needs a codec for the kept outputs"):
+        hybrid.parse_candidate("selective:recompute")
     assert hybrid.parse_candidate("recompute+int8") is None
     with pytest.raises(ValueError, match="name a storage policy"):
         hybrid.parse_candidate("selective:")

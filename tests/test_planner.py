@@ -241,7 +241,7 @@ def test_check_fn_chooses_the_segments():
         ({"budget": 1.5}, TypeError, "must be bytes"),
         ({"budget": True}, TypeError, "must be bytes"),
         ({"candidates": ["int5"]}, ValueError, r"candidate 'int5'.*unknown token 'int5'.*or 'none'"),
-        ({"candidates": ["selective:recompute"]}, ValueError, r"candidate 'selective:recompute'.*store='recompute'"),
+        ({"candidates": ["selective:recompute"]}, ValueError, r"candidate 'selective:recompute'.*needs a codec"),
         ({"candidates": ["int8", "int8"]}, ValueError, "listed twice"),
         ({"candidates": ["batch2:int8"]}, ValueError, r"candidate 'batch2:int8'.*recompute policy.*batch<N>"),
         ({"candidates": ["recompute", "recompute+"]}, ValueError, "unknown token ''"),

@@ -203,7 +203,8 @@ def test_bad_batch_candidates_are_named(name, named):
 @pytest.mark.skipif(not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14")
 def test_batch_slices_with_a_selective_candidate():
     candidate = tiling.parse_candidate("batch2:selective-attention:int8")
-    assert str(candidate.policy) == "recompute+int8" and str(candidate.selective) == "selective-attention:int8"
+    assert str(candidate.inner.policy) == "recompute+int8"
+    assert str(candidate.inner.selective) == "selective-attention:int8"
     module = candidate.wrap(AttentionHalf())
     assert isinstance(module, tiling.TiledWrapper) and (module.chunks, module.dim) == (2, 0)
     x = torch.randn(4, 40, 32)
