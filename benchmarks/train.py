@@ -25,7 +25,8 @@ from benchmarks.workloads import GPT2Block
 CORPUS_FILES = ["argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
                 "subprocess.py", "typing.py", "threading.py"]  # fmt: skip
 PLAN_BUDGET = 0.5  # the planned row: fastckpt.plan at this fraction of stock checkpoint's peak
-PLAN_CANDIDATES = CANDIDATES  # the policies it may choose from: the planner benchmark's (defaults and batch slices)
+# The policies it may choose from: the planner benchmark's, and (batches of 16 here) four batch slices.
+PLAN_CANDIDATES = (*CANDIDATES, "batch4:recompute+int8", "batch4:recompute:int8+int8")
 PLAN_MAX_ERROR = 5e-2  # and the gradient error each may show (the bound; without it int4 plans lost 1.5%)
 
 

@@ -288,12 +288,15 @@ def plan(
     `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate
     above what is live before it, or "N%" of stock checkpointing's peak; the segments are the submodules
     `check_fn` selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical
-    blocks); `candidates` are policy strings, 'none', 'selective:<store>' (fastckpt.hybrid.selective: the
-    outputs of matmuls and attention kept through <store>, the rest recomputed) or 'batch<N>:<policy>'
-    (fastckpt.tiled(segment, N, dim=0, policy): the segment's batch in N slices, each checkpointed, so its
-    backward holds one slice's activations; only for segments that treat every sample alone and take one
-    batched input) (default: DEFAULT_CANDIDATES, which leaves 'selective:int8' out, on CPU it measured
-    slower and larger than 'int8', and batch slices, which need the caller's word that they are exact).
+    blocks); `candidates` are policy strings, 'none', 'selective:<spec>' (fastckpt.hybrid.selective: the
+    outputs of matmuls and attention kept through <spec>'s codec, the rest recomputed, the inputs stored
+    as <spec> says: 'selective:int8', 'selective:recompute:int8+int8'), 'selective-attention:<spec>' (the
+    same keeping only the fused attention's outputs) or 'batch<N>:<recompute policy or selective
+    candidate>' (fastckpt.tiled(segment, N, dim=0, ...): the segment's batch in N slices, each
+    checkpointed, so its backward holds one slice's activations; only for segments that treat every sample
+    alone and take one batched input) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on
+    CPU 'selective:int8' measured slower and larger than 'int8' and attention-only pays off where attention
+    dominates, and batch slices, which need the caller's word that they are exact).
     `max_error`, when given, leaves out the candidates whose gradient error exceeds it: the largest relative
     L2 error of a parameter's gradient against no checkpointing, measured with every segment under the candidate and the
     same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs,
