@@ -108,8 +108,13 @@ class Selective:
             return forward, recompute  # torch's SAC as it is
         return _SelectiveForward(forward, self.store, str(self)), recompute
 
+    @property
+    def prefix(self) -> str:
+        """How labels and planner candidates name it: 'selective-attention:' for the attention ops alone."""
+        return ATTENTION_PREFIX if self.ops == attention_ops() else PREFIX
+
     def __str__(self) -> str:
-        return f"{ATTENTION_PREFIX if self.ops == attention_ops() else PREFIX}{self.store}"
+        return f"{self.prefix}{self.store}"
 
     def __repr__(self) -> str:
         save = [str(op) for op in self.ops] if self.ops else getattr(self._policy_fn, "__name__", "policy_fn")
@@ -172,9 +177,9 @@ class Candidate:
     policy: Policy
 
     def __str__(self) -> str:
-        prefix = ATTENTION_PREFIX if self.selective.ops == attention_ops() else PREFIX
-        store = self.selective.store
-        return f"{prefix}{store if self.policy == dataclasses.replace(store, recompute=True) else self.policy}"
+        if self.policy == dataclasses.replace(self.selective.store, recompute=True):
+            return str(self.selective)  # the short form: 'selective:int8' runs under 'recompute+int8'
+        return f"{self.selective.prefix}{self.policy}"
 
     def wrap(self, module: torch.nn.Module) -> SelectiveWrapper:
         return wrap(module, self.selective, self.policy)

@@ -383,8 +383,8 @@ def _candidate_names(candidates: Iterable[str | Policy] | None) -> list[str]:
         except (TypeError, ValueError) as error:
             raise ValueError(
                 f"plan: candidate {candidate!r}: {error} (or '{NONE}' for no checkpoint, "
-                f"'{hybrid.PREFIX}<codec>' for selective checkpointing, '{tiling.BATCH_PREFIX}<N>:<recompute policy>' "
-                "for batch slices)"
+                f"'{hybrid.PREFIX}<codec>' or '{hybrid.ATTENTION_PREFIX}<codec>' for selective checkpointing, "
+                f"'{tiling.BATCH_PREFIX}<N>:<recompute policy>' for batch slices)"
             ) from None
         if isinstance(candidate, Policy) and candidate.rule is not None:
             raise ValueError(f"plan: candidate {candidate!r} has a per-tensor rule; the planner takes policy strings")
@@ -397,8 +397,8 @@ def _candidate_names(candidates: Iterable[str | Policy] | None) -> list[str]:
 
 
 def _name(candidate: str | Policy | None) -> str:
-    """A candidate's canonical name: 'none', a policy string, 'selective:<store>' (fastckpt.hybrid) or
-    'batch<N>:<policy>' (fastckpt.tiling)."""
+    """A candidate's canonical name: 'none', a policy string, 'selective[-attention]:<spec>'
+    (fastckpt.hybrid) or 'batch<N>:<inner>' (fastckpt.tiling)."""
     if candidate is None or candidate == NONE:
         return NONE
     special = hybrid.parse_candidate(candidate) or tiling.parse_candidate(candidate)

@@ -9,7 +9,8 @@ all of them: along the tokens for position-wise modules (an MLP), along the batc
 treats every sample alone (attention, a whole transformer block). The wrapped module's parameters receive
 the sum of the chunks' gradients (the same value as untiled, summed in another order).
 
-The planner takes batch slicing as a candidate: 'batch<N>:<recompute policy>' (`parse_candidate`).
+The planner takes batch slicing as a candidate: 'batch<N>:<recompute policy or selective candidate>'
+(`parse_candidate`).
 """
 
 from __future__ import annotations
@@ -51,14 +52,12 @@ class TiledWrapper(CheckpointWrapper):
         options: dict[str, Any] = {"use_reentrant": False, "policy": self.policy}
         if self.context_fn is not None:
             options["context_fn"] = self.context_fn
+        pieces = x.chunk(self.chunks, dim=self.dim)
         with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
-            outputs = [
-                checkpoint(self.checkpointed, piece, *args, **options, **kwargs)
-                for piece in x.chunk(self.chunks, dim=self.dim)
-            ]
+            outputs = [checkpoint(self.checkpointed, piece, *args, **options, **kwargs) for piece in pieces]
         if not all(isinstance(out, torch.Tensor) for out in outputs):
             raise TypeError("fastckpt.tiled: the wrapped module must return one tensor (the chunks are concatenated)")
-        for piece, out in zip(x.chunk(self.chunks, dim=self.dim), outputs, strict=True):
+        for piece, out in zip(pieces, outputs, strict=True):
             # A slice that comes back another size along `dim` was broadcast against, or mixed with, something
             # unsplit (another input that carries the batch, say): concatenating would silently be wrong.
             if out.dim() != piece.dim() or out.shape[self.dim] != piece.shape[self.dim]:
