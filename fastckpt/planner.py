@@ -291,10 +291,10 @@ def plan(
     blocks); `candidates` are policy strings, 'none', 'selective:<spec>' (fastckpt.hybrid.selective: the
     outputs of matmuls and attention kept through <spec>'s codec, the rest recomputed, the inputs stored
     as <spec> says: 'selective:int8', 'selective:recompute:int8+int8'), 'selective-attention:<spec>' (the
-    same keeping only the fused attention's outputs) or 'batch<N>:<recompute policy or selective
-    candidate>' (fastckpt.tiled(segment, N, dim=0, ...): the segment's batch in N slices, each
-    checkpointed, so its backward holds one slice's activations; only for segments that treat every sample
-    alone and take one batched input) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on
+    same keeping only the fused attention's outputs) or 'batch<N>:<policy or selective candidate>'
+    (fastckpt.tiled(segment, N, dim=0, ...): the segment's batch in N slices, each checkpointed, so its
+    backward holds one slice's activations; only for segments that treat every sample alone and take one
+    batched input) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on
     CPU 'selective:int8' measured slower and larger than 'int8' and attention-only pays off where attention
     dominates, and batch slices, which need the caller's word that they are exact).
     `max_error`, when given, leaves out the candidates whose gradient error exceeds it: the largest relative
@@ -384,7 +384,7 @@ def _candidate_names(candidates: Iterable[str | Policy] | None) -> list[str]:
             raise ValueError(
                 f"plan: candidate {candidate!r}: {error} (or '{NONE}' for no checkpoint, "
                 f"'{hybrid.PREFIX}<codec>' or '{hybrid.ATTENTION_PREFIX}<codec>' for selective checkpointing, "
-                f"'{tiling.BATCH_PREFIX}<N>:<recompute policy>' for batch slices)"
+                f"'{tiling.BATCH_PREFIX}<N>:<policy>' for batch slices)"
             ) from None
         if isinstance(candidate, Policy) and candidate.rule is not None:
             raise ValueError(f"plan: candidate {candidate!r} has a per-tensor rule; the planner takes policy strings")

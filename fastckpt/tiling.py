@@ -9,7 +9,7 @@ all of them: along the tokens for position-wise modules (an MLP), along the batc
 treats every sample alone (attention, a whole transformer block). The wrapped module's parameters receive
 the sum of the chunks' gradients (the same value as untiled, summed in another order).
 
-The planner takes batch slicing as a candidate: 'batch<N>:<recompute policy or selective candidate>'
+The planner takes batch slicing as a candidate: 'batch<N>:<policy or selective candidate>'
 (`parse_candidate`).
 """
 
@@ -87,6 +87,11 @@ def tiled(
     """`module` run on `chunks` slices of its first input along `dim` (default 1: the tokens of a
     (batch, tokens, features) tensor), each slice checkpointed with `policy`, the outputs concatenated.
 
+    With a recompute policy each slice is recomputed in backward, so the backward holds one slice's
+    activations and gradients. With a storage policy ('int8', 'save', ...) every slice keeps what it saves
+    (as many bytes as untiled), but the slices' backwards still run one after the other: the backward holds
+    one slice's decoded tensors and gradients, not the whole module's.
+
     Only for modules that treat every position along `dim` alone, whose output has that dimension at the
     same place: along the tokens (dim=1) a transformer MLP or a norm over features, never attention (it
     mixes tokens); along the batch (dim=0) any module that treats every sample alone, attention and whole
@@ -104,25 +109,26 @@ def tiled(
     if not isinstance(dim, int) or isinstance(dim, bool):
         raise TypeError(f"fastckpt.tiled: `dim` must be an integer, got {dim!r}")
     resolved = Policy.parse("recompute" if policy is None else policy)
-    if not resolved.recompute:
-        raise ValueError(
-            f"fastckpt.tiled: policy={str(resolved)!r} stores every chunk's activations, so tiling saves nothing; "
-            "use a recompute policy ('recompute', 'recompute+int8', ...)"
-        )
     if context_fn is not None and not callable(context_fn):
         raise TypeError(f"fastckpt.tiled: `context_fn` must be callable (a checkpoint context_fn), got {context_fn!r}")
+    if context_fn is not None and not resolved.recompute:
+        raise ValueError(
+            f"fastckpt.tiled: a context_fn selects what a recomputation reruns; policy={str(resolved)!r} stores "
+            "instead of recomputing (use a recompute policy, or drop context_fn)"
+        )
     return TiledWrapper(module, chunks, dim, resolved, context_fn)
 
 
-# Planner candidates: 'batch2:recompute+int8' is tiled(segment, 2, dim=0, policy='recompute+int8'), and
-# 'batch2:selective-attention:int8' is tiled(segment, 2, dim=0, context_fn=hybrid.selective(...)).
+# Planner candidates: 'batch2:recompute+int8' is tiled(segment, 2, dim=0, policy='recompute+int8'),
+# 'batch2:int8' the same storing each slice int8, and 'batch2:selective-attention:int8' is
+# tiled(segment, 2, dim=0, policy='recompute+int8', context_fn=hybrid.selective(...)).
 BATCH_PREFIX = "batch"
 
 
 @dataclass(frozen=True)
 class BatchSplit:
     """A planner candidate: the segment run on `chunks` slices of its batch, each checkpointed as `inner` (a
-    recompute policy, or a selective candidate: its policy and context_fn)."""
+    policy, or a selective candidate: its policy and context_fn)."""
 
     chunks: int
     inner: Policy | hybrid.Candidate
@@ -137,8 +143,8 @@ class BatchSplit:
 
 
 def parse_candidate(name: object) -> BatchSplit | None:
-    """'batch<N>:<recompute policy or selective candidate>' (a planner candidate) as a BatchSplit; None for
-    any other string."""
+    """'batch<N>:<policy or selective candidate>' (a planner candidate) as a BatchSplit; None for any other
+    string."""
     if not isinstance(name, str):
         return None
     head, colon, policy = name.strip().partition(":")
@@ -152,7 +158,4 @@ def parse_candidate(name: object) -> BatchSplit | None:
     selective = hybrid.parse_candidate(policy)
     if selective is not None:
         return BatchSplit(int(count), selective)
-    resolved = Policy.parse(policy.strip())
-    if not resolved.recompute:
-        raise ValueError(f"{name!r}: batch slices need a recompute policy ('recompute', 'recompute+int8', ...)")
-    return BatchSplit(int(count), resolved)
+    return BatchSplit(int(count), Policy.parse(policy.strip()))

@@ -243,7 +243,7 @@ def test_check_fn_chooses_the_segments():
         ({"candidates": ["int5"]}, ValueError, r"candidate 'int5'.*unknown token 'int5'.*or 'none'"),
         ({"candidates": ["selective:recompute"]}, ValueError, r"candidate 'selective:recompute'.*needs a codec"),
         ({"candidates": ["int8", "int8"]}, ValueError, "listed twice"),
-        ({"candidates": ["batch2:int8"]}, ValueError, r"candidate 'batch2:int8'.*recompute policy.*batch<N>"),
+        ({"candidates": ["batch0:int8"]}, ValueError, r"candidate 'batch0:int8'.*number of batch slices.*batch<N>"),
         ({"candidates": ["recompute", "recompute+"]}, ValueError, "unknown token ''"),
         ({"candidates": []}, ValueError, "`candidates` is empty"),
         ({"candidates": "int8"}, TypeError, "must be a list of policies"),

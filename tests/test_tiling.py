@@ -110,7 +110,8 @@ def test_state_dict_is_the_wrapped_modules_and_arguments_pass_through():
         (dict(chunks=True), ValueError, "chunks"),
         (dict(chunks=2.0), ValueError, "chunks"),
         (dict(chunks=2, dim="1"), TypeError, "dim"),
-        (dict(chunks=2, policy="int8"), ValueError, "recompute policy"),
+        (dict(chunks=2, policy="int8", context_fn=lambda: None), ValueError, "use a recompute policy"),
+        (dict(chunks=2, context_fn=3), TypeError, "context_fn"),
     ],
 )
 def test_bad_arguments_are_named(kwargs, error, named):
@@ -162,6 +163,23 @@ def test_attention_along_the_batch_holds_one_slice_in_backward():
     assert sliced < 0.6 * whole
 
 
+def test_storage_policy_slices_keep_as_much_and_hold_one_slice_in_backward():
+    module = AttentionHalf(64)
+    x = torch.randn(4, 512, 64, requires_grad=True)
+
+    def step(run_module):
+        return lambda: run_module(x).pow(2).mean().backward()
+
+    whole = peak_bytes(step(fastckpt.wrap(module, "int8")))
+    sliced = peak_bytes(step(fastckpt.tiled(module, 4, dim=0, policy="int8")))
+    assert sliced < 0.8 * whole  # same int8 bytes kept, a quarter of the decoded tensors and gradients
+    _, plain = run(AttentionHalf(64), x)
+    with fastckpt.track() as report:
+        _, got = run(fastckpt.tiled(AttentionHalf(64), 4, dim=0, policy="int8"), x)
+    assert 0 < rel(got, plain) <= 1e-2
+    assert [s.policy for s in report.segments] == ["int8"] * 4
+
+
 def test_an_unsplit_input_that_carries_the_split_dimension_is_an_error():
     class AddBias(torch.nn.Module):
         def forward(self, x, bias):
@@ -180,6 +198,7 @@ def test_an_unsplit_input_that_carries_the_split_dimension_is_an_error():
         (" batch4 : recompute ", "batch4:recompute"),
         ("batch2:recompute:int8+int8", "batch2:recompute:int8+int8"),
         ("batch2:selective-attention:int8", "batch2:selective-attention:int8"),
+        ("batch2:int8", "batch2:int8"),
         ("recompute:int8", None),
         ("int8", None),
         ("selective:int8", None),
@@ -193,7 +212,7 @@ def test_batch_candidates_parse(name, expected):
 @pytest.mark.parametrize(
     ("name", "named"),
     [("batch1:recompute", "number of batch slices"), ("batchx:recompute", "number of batch slices"),
-     ("batch2:int8", "recompute policy"), ("batch2:int5", "int5")],
+     ("batch2:int5", "int5"), ("batch2:selective:recompute", "needs a codec")],
 )  # fmt: skip
 def test_bad_batch_candidates_are_named(name, named):
     with pytest.raises(ValueError, match=named):
