@@ -224,6 +224,20 @@ def test_attention_only_keeps_the_attention_kernel_out_of_the_recomputation():
     assert 0 < _rel(ours, plain) <= 1e-2
 
 
+@pytest.mark.cuda
+def test_attention_only_on_cuda_reruns_no_attention_kernel():
+    torch.manual_seed(0)
+    block = TransformerBlock(dim=64, heads=4, dropout=0.0).cuda()  # no dropout: a fused kernel runs
+    x = torch.randn(2, 128, 64, device="cuda", requires_grad=True)
+    store = "int8" if hybrid._sac_honours_hooks() else "save"  # older torch: torch's SAC, kept as it is
+    out = fastckpt.checkpoint(block, x, context_fn=hybrid.selective(save=hybrid.attention_ops(), store=store))
+    with OpCounter() as counter:
+        out.pow(2).mean().backward()
+    assert not any(counter.counts[op] for op in hybrid.attention_ops())  # kept, not recomputed
+    assert counter.counts[aten.addmm] + counter.counts[aten.mm] > 0  # the projections are
+    torch.testing.assert_close(out, block(x.detach()), rtol=1e-6, atol=1e-6)
+
+
 def test_parse_candidate():
     assert str(hybrid.parse_candidate("selective:int4")) == "selective:int4"
     attention = hybrid.parse_candidate("selective-attention:int8")

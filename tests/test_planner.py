@@ -222,6 +222,29 @@ def test_batch_slices_candidate_is_measured_planned_and_applied():
         plan.remove()
 
 
+@pytest.mark.cuda
+def test_batch_slices_plan_on_cuda_predicts_the_measured_peak():
+    torch.manual_seed(0)
+    model = Net(3).cuda()
+    x = torch.randn(4, 256, 64, device="cuda")
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    measurements = measure(model, step, candidates=["recompute", "int8", "batch4:recompute"], repeats=1)
+    sliced, stock = measurements.by_policy["batch4:recompute"], measurements.by_policy["recompute"]
+    assert all(s.backward_level < r.backward_level for s, r in zip(sliced.segments, stock.segments, strict=True))
+    plan = measurements.plan(sliced.peak)
+    plan.apply()
+    try:
+        step()
+        measured_peak = peak_bytes(step, "cuda")
+    finally:
+        plan.remove()
+    assert abs(plan.predicted_peak - measured_peak) <= 0.10 * measured_peak, (plan.policies, measured_peak)
+
+
 def test_check_fn_chooses_the_segments():
     model, step = make(layers=2)
     measurements = measure(model, step, check_fn=lambda m: isinstance(m, Block), candidates=["recompute"], repeats=1)
