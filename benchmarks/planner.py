@@ -7,9 +7,8 @@ Two workloads: the long-context stack (8 pre-LN GPT-2-style blocks, hidden 128, 
 2 x 2048 tokens, attention through the fused SDPA kernel) and the GPT-2 stack of benchmarks/workloads.py
 ('gpt2'). For each, the planner measures its candidates once (fastckpt.planner.measure, max_error=5e-2:
 candidates whose gradient error exceeds the target are left out; CANDIDATES: the default ones, batch
-slices 'batch2:<policy>' and the fused attention's output kept int8, 'selective-attention:...'),
-then plans for
-budgets of 100%, 70%, 50% and 30% of stock torch.utils.checkpoint's peak measured here
+slices 'batch2:<policy>' and the fused attention's output kept int8, 'selective-attention:...'), then
+plans for budgets of 100%, 70%, 50% and 30% of stock torch.utils.checkpoint's peak measured here
 (benchmarks.harness.peak_bytes). Each feasible plan is applied and measured like the baselines: peak
 (harness.peak_bytes), median step time in interleaved rounds (harness.median_times), gradient error
 against plain training from the same seed (largest relative L2 over the parameters, and over all
@@ -44,9 +43,8 @@ from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, measure  # noqa: 
 BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of stock checkpoint's measured peak
 # Every workload's blocks treat each sample alone, so the planner may also run a segment on its batch in two
 # slices (fastckpt.tiled(segment, 2, dim=0, policy), stored or recomputed); the gradient-error bound checks
-# the result. And keep
-# the fused attention's output int8 instead of recomputing the attention kernel (fastckpt.hybrid), with the
-# rest of the recomputation plain or int8.
+# the result. And it may keep the fused attention's output int8 instead of recomputing the attention kernel
+# (fastckpt.hybrid), with the rest of the recomputation plain or int8.
 EXTRA_CANDIDATES = (
     "batch2:int8", "batch2:recompute", "batch2:recompute+int8", "batch2:recompute:int8+int8",
     "selective-attention:int8", "selective-attention:recompute:int8+int8",
