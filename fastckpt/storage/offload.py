@@ -1,69 +1,270 @@
-"""Moving saved tensors to host memory in forward and back in backward.
+"""Moving saved tensors to host memory in forward and back in backward: the offload engine.
 
-Device-to-host copies run on a side stream, ordered after the producing stream with an event;
-the device tensor is kept alive (record_stream) until its copy finishes. Host buffers are pinned,
-from torch's caching host allocator, so steady-state steps reuse the same pinned blocks; if
-pinning fails the copy falls back to pageable memory once, with a warning naming host memory.
+Forward: each device-to-host copy runs on a side stream, ordered after the producing stream with an
+event, into a host buffer from `HostArena`; the device tensor stays alive (record_stream) until its copy
+ran. At most `max_in_flight_bytes` of copies are queued: past that, forward waits for the oldest, so
+device memory held by unfinished copies stays bounded.
+
+Arena: host buffers are pinned (page-locked, so copies are asynchronous) and kept by exact size: a
+buffer freed in one step serves the same-size tensor of the next, so steady-state steps pin nothing new.
+A buffer returns to the arena when the stored tensor is gone, and is reused only after the copy that last
+read it finished. If pinning fails, the arena warns once (naming host memory) and falls back to pageable
+buffers.
+
+Backward: tensors come back on the current stream. When a segment's first tensor is unpacked, the engine
+prefetches the tensors of the segment packed before it (the one backward runs next) on another side
+stream, up to `max_prefetch_bytes`, so its copies overlap this segment's backward.
+
+The logic (arena reuse, the in-flight bound, prefetch order) does not depend on CUDA: on CPU tensors the
+engine copies synchronously, and tests pass their own events and allocator.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import warnings
-from dataclasses import dataclass
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
-_side_streams: dict[torch.device, torch.cuda.Stream] = {}
-_pinning_failed = False
+DEFAULT_MAX_IN_FLIGHT_BYTES = 256 * 2**20  # queued device-to-host copies before forward waits for the oldest
+DEFAULT_MAX_PREFETCH_BYTES = 256 * 2**20  # host-to-device copies started ahead of backward
 
 
-@dataclass
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class HostArena:
+    """Exact-size host buffers (uint8), reused across steps.
+
+    `allocate(nbytes)` makes a new buffer (default: pinned host memory, pageable after a failed pin).
+    `allocations`/`allocated_bytes` count buffers made, `reuses` buffers handed out again.
+    """
+
+    def __init__(self, allocate: Callable[[int], torch.Tensor] | None = None) -> None:
+        self._allocate = allocate or self._pinned
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._pinning_failed = False
+        self.allocations = 0
+        self.allocated_bytes = 0
+        self.reuses = 0
+
+    def take(self, nbytes: int) -> tuple[torch.Tensor, Any]:
+        """A buffer of exactly `nbytes`, and the event after which it may be written (None: at once)."""
+        free = self._free.get(nbytes)
+        if free:
+            self.reuses += 1
+            return free.pop()
+        self.allocations += 1
+        self.allocated_bytes += nbytes
+        return self._allocate(nbytes), None
+
+    def give_back(self, buffer: torch.Tensor, last_read: list) -> None:
+        """Return `buffer`; `last_read[0]` is the event of the copy that last read it (or None)."""
+        self._free.setdefault(buffer.numel(), []).append((buffer, last_read[0] if last_read else None))
+
+    @property
+    def free_bytes(self) -> int:
+        return sum(size * len(buffers) for size, buffers in self._free.items())
+
+    def _pinned(self, nbytes: int) -> torch.Tensor:
+        if not self._pinning_failed:
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            except RuntimeError as err:
+                self._pinning_failed = True
+                warnings.warn(
+                    f"fastckpt offload: pinning {nbytes} bytes of host memory failed ({err}); falling back to pageable "
+                    "host memory, which makes copies synchronous and slower. Free host memory or raise the "
+                    "locked-memory limit (ulimit -l) to get pinned copies back.",
+                    stacklevel=4,
+                )
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+
 class HostCopy:
-    """A tensor's bytes in host memory, with the event that marks its copy complete."""
+    """A tensor's bytes in host memory: the view `tensor` of an arena buffer, the event marking the copy
+    complete, and a prefetched device tensor while one waits to be used."""
 
-    tensor: torch.Tensor
-    device: torch.device
-    copied: torch.cuda.Event | None
+    __slots__ = ("tensor", "device", "copied", "prefetched", "last_read", "__weakref__")
 
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    if device not in _side_streams:
-        _side_streams[device] = torch.cuda.Stream(device)
-    return _side_streams[device]
-
-
-def _host_buffer(like: torch.Tensor) -> torch.Tensor:
-    global _pinning_failed
-    if not _pinning_failed:
-        try:
-            return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)
-        except RuntimeError as err:
-            _pinning_failed = True
-            warnings.warn(
-                f"fastckpt offload: pinning {like.numel() * like.element_size()} bytes of host memory failed ({err}); "
-                "falling back to pageable host memory, which makes copies synchronous and slower. Free host memory "
-                "or raise the locked-memory limit (ulimit -l) to get pinned copies back.",
-                stacklevel=3,
-            )
-    return torch.empty(like.shape, dtype=like.dtype)
+    def __init__(self, tensor: torch.Tensor, device: torch.device, copied: Any) -> None:
+        self.tensor = tensor
+        self.device = device
+        self.copied = copied
+        self.prefetched: tuple[torch.Tensor, Any] | None = None
+        self.last_read: list = [None]  # shared with the arena's finalizer: the last copy out of the buffer
 
 
-def to_host(t: torch.Tensor) -> HostCopy:
-    """Start copying `t` (a CUDA tensor) to host memory; returns at once."""
-    host = _host_buffer(t)
-    stream = _side_stream(t.device)
-    stream.wait_stream(torch.cuda.current_stream(t.device))
-    with torch.cuda.stream(stream):
-        host.copy_(t, non_blocking=host.is_pinned())
-        copied = torch.cuda.Event()
-        copied.record(stream)
-    t.record_stream(stream)  # the caching allocator must not reuse t's memory before the copy ran
-    return HostCopy(host, t.device, copied)
+class OffloadGroup:
+    """The host copies of one segment, in pack order; the engine prefetches a group as a whole."""
+
+    def __init__(self) -> None:
+        self.copies: list[weakref.ref] = []
+        self.prefetch_started = False
+
+
+class OffloadEngine:
+    """Device-to-host copies in forward, host-to-device copies (and prefetch) in backward.
+
+    `new_event()` makes the events that order the copies (default: torch.cuda.Event on CUDA tensors, none
+    on CPU tensors); tests pass their own to observe the in-flight bound.
+    """
+
+    def __init__(
+        self,
+        arena: HostArena | None = None,
+        max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
+        max_prefetch_bytes: int = DEFAULT_MAX_PREFETCH_BYTES,
+        new_event: Callable[[], Any] | None = None,
+    ) -> None:
+        self.arena = arena or HostArena()
+        self.max_in_flight_bytes = max_in_flight_bytes
+        self.max_prefetch_bytes = max_prefetch_bytes
+        self._new_event = new_event
+        self._in_flight: collections.deque[tuple[Any, int]] = collections.deque()
+        self._groups: list[weakref.ref] = []  # in forward (pack) order
+        self._streams: dict[tuple[torch.device, str], Any] = {}
+        self.waits_for_bound = 0  # times forward waited for a queued copy to finish
+        self.prefetched = 0  # tensors copied back ahead of their use
+        self.prefetch_hits = 0  # tensors whose unpack found them already prefetched
+
+    # ---- forward ---------------------------------------------------------------------------------------
+
+    def group(self) -> OffloadGroup:
+        """A new group (one segment's copies), after every group made before it."""
+        group = OffloadGroup()
+        self._groups = [g for g in self._groups if g() is not None]
+        self._groups.append(weakref.ref(group))
+        return group
+
+    def to_host(self, t: torch.Tensor, group: OffloadGroup | None = None) -> HostCopy:
+        """Start copying `t` to host memory; returns at once (CUDA) or after the copy (CPU)."""
+        nbytes = _nbytes(t)
+        self._bound_in_flight(nbytes)
+        buffer, writable = self.arena.take(nbytes)
+        host = buffer.view(t.dtype).view(t.shape) if nbytes else torch.empty(t.shape, dtype=t.dtype)
+        stream = self._stream(t.device, "d2h")
+        with self._on(stream):
+            if stream is not None:
+                stream.wait_stream(torch.cuda.current_stream(t.device))
+                if writable is not None:
+                    stream.wait_event(writable)  # the buffer's last host-to-device copy has read it
+            elif writable is not None:
+                writable.synchronize()
+            host.copy_(t, non_blocking=stream is not None and host.is_pinned())
+            copied = self._event(stream, t.device)
+        if stream is not None:
+            t.record_stream(stream)  # the caching allocator must not reuse t's memory before the copy ran
+        if copied is not None:
+            self._in_flight.append((copied, nbytes))
+        copy = HostCopy(host, t.device, copied)
+        if nbytes:
+            weakref.finalize(copy, self.arena.give_back, buffer, copy.last_read)
+        if group is not None:
+            group.copies.append(weakref.ref(copy))
+        return copy
+
+    def _bound_in_flight(self, nbytes: int) -> None:
+        while self._in_flight and self._in_flight[0][0].query():
+            self._in_flight.popleft()
+        queued = sum(n for _, n in self._in_flight)
+        while self._in_flight and queued + nbytes > self.max_in_flight_bytes:
+            event, n = self._in_flight.popleft()
+            event.synchronize()
+            queued -= n
+            self.waits_for_bound += 1
+
+    # ---- backward --------------------------------------------------------------------------------------
+
+    def to_device(self, copy: HostCopy) -> torch.Tensor:
+        """`copy` back on its device, on the current stream (the prefetched tensor if there is one)."""
+        if copy.prefetched is not None:
+            tensor, ready = copy.prefetched
+            copy.prefetched = None
+            self.prefetch_hits += 1
+            if copy.device.type == "cuda":
+                current = torch.cuda.current_stream(copy.device)
+                current.wait_event(ready)
+                tensor.record_stream(current)  # made on the prefetch stream, used (and freed) on this one
+            return tensor
+        current = torch.cuda.current_stream(copy.device) if copy.device.type == "cuda" else None
+        if current is not None and copy.copied is not None:
+            current.wait_event(copy.copied)
+        tensor = copy.tensor.to(copy.device, non_blocking=current is not None and copy.tensor.is_pinned(), copy=True)
+        copy.last_read[0] = self._event(current, copy.device)
+        return tensor
+
+    def entering(self, group: OffloadGroup) -> None:
+        """`group`'s backward begins: prefetch the group packed before it (the next one backward needs)."""
+        groups = [g() for g in self._groups]
+        if group not in groups:
+            return
+        earlier = [g for g in groups[: groups.index(group)] if g is not None]
+        if earlier and not earlier[-1].prefetch_started:
+            self._prefetch(earlier[-1])
+
+    def _prefetch(self, group: OffloadGroup) -> None:
+        group.prefetch_started = True
+        budget = self.max_prefetch_bytes
+        for ref in group.copies:
+            copy = ref()
+            if copy is None or copy.prefetched is not None:
+                continue
+            nbytes = _nbytes(copy.tensor)
+            if nbytes > budget:
+                break
+            budget -= nbytes
+            stream = self._stream(copy.device, "h2d")
+            with self._on(stream):
+                if stream is not None:
+                    stream.wait_stream(torch.cuda.current_stream(copy.device))
+                    if copy.copied is not None:
+                        stream.wait_event(copy.copied)
+                pinned = stream is not None and copy.tensor.is_pinned()
+                tensor = copy.tensor.to(copy.device, non_blocking=pinned, copy=True)
+                ready = self._event(stream, copy.device)
+            copy.prefetched = (tensor, ready)
+            copy.last_read[0] = ready
+            self.prefetched += 1
+
+    # ---- streams and events ----------------------------------------------------------------------------
+
+    def _stream(self, device: torch.device, purpose: str) -> Any:
+        if device.type != "cuda":
+            return None
+        key = (device, purpose)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device)
+        return self._streams[key]
+
+    @staticmethod
+    def _on(stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def _event(self, stream: Any, device: torch.device) -> Any:
+        if self._new_event is not None:
+            event = self._new_event()
+        elif device.type == "cuda":
+            event = torch.cuda.Event()
+        else:
+            return None
+        event.record(stream)
+        return event
+
+
+ENGINE = OffloadEngine()  # the process's engine: one arena, one in-flight bound, one prefetch order
+
+
+def to_host(t: torch.Tensor, group: OffloadGroup | None = None) -> HostCopy:
+    """Start copying `t` (a CUDA tensor) to host memory with the process's engine; returns at once."""
+    return ENGINE.to_host(t, group)
 
 
 def to_device(copy: HostCopy) -> torch.Tensor:
     """Bring a host copy back to its device on the current stream."""
-    current = torch.cuda.current_stream(copy.device)
-    if copy.copied is not None:
-        current.wait_event(copy.copied)
-    return copy.tensor.to(copy.device, non_blocking=copy.tensor.is_pinned())
+    return ENGINE.to_device(copy)

@@ -108,6 +108,8 @@ class SegmentStorage:
         self.record = SegmentRecord(policy=label or str(policy))
         # Weak on both sides: autograd releases each saved tensor right after its node ran, and so must we.
         self._stored_by_key: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._offload_group: offload.OffloadGroup | None = None  # this segment's host copies (prefetched together)
+        self._backward_started = False
         report = current_report()
         if report is not None:
             report.add(self.record)
@@ -156,7 +158,10 @@ class SegmentStorage:
             self.record.codecs.add(codec)
         if policy.offload and t.device.type != "cpu":
             self.record.host_bytes += nbytes
-            return _Stored(encoded, tuple(offload.to_host(x) for x in tensors), True, None, layout)
+            if self._offload_group is None:
+                self._offload_group = offload.ENGINE.group()
+            copies = tuple(offload.to_host(x, self._offload_group) for x in tensors)
+            return _Stored(encoded, copies, True, None, layout)
         self.record.device_bytes += nbytes
         return _Stored(encoded, tensors, False, None if encoded else t._version, layout)
 
@@ -166,6 +171,9 @@ class SegmentStorage:
         report = current_report()
         if report is not None:
             report.add(self.record)
+        if stored.on_host and not self._backward_started:
+            self._backward_started = True
+            offload.ENGINE.entering(self._offload_group)  # prefetch the segment backward runs next
         tensors = tuple(offload.to_device(x) for x in stored.tensors) if stored.on_host else stored.tensors
         tensor = codecs.decode(dataclasses.replace(stored.encoded, payload=tensors)) if stored.encoded else tensors[0]
         if stored.layout is not None:
