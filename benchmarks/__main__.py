@@ -1,4 +1,4 @@
-"""`python -m benchmarks [checkpoint|planner|ops|train] [--device cpu|cuda] [--out DIR] [--quick]`.
+"""`python -m benchmarks [checkpoint|planner|compile|ops|train|offload] [--device cpu|cuda] [--out DIR] [--quick]`.
 
 checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
   reentrant, selective), torch's save_on_cpu and DeepSpeed's checkpoint, on the seed CNN, GPT-2-style
@@ -12,6 +12,7 @@ planner: the planner section alone (as `python -m benchmarks.planner`).
 compile: the compile section alone (as `python -m benchmarks.compiled`).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).
 train: final loss of a small GPT trained on real text, per storage policy, against plain training.
+offload (CUDA): how much of the offload engine's copying the step hides, and its bandwidth vs the link's.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ MODES = {
     "compile": "benchmarks.compiled",
     "ops": "benchmarks.ops",
     "train": "benchmarks.train",
+    "offload": "benchmarks.offload",
 }
 PLANNER = "planner"  # the planner section of the checkpoint benchmark, selectable like a workload
 COMPILE = "compile"  # the torch.compile section, likewise

@@ -367,3 +367,14 @@ def test_compile_section_runs_every_row_and_reports_the_targets(tmp_path, capsys
     assert "target compiled fastckpt recompute" in out
     assert (tmp_path / "compile.csv").exists()
     assert "## compile: torch.compile on the GPT-2 stack" in (tmp_path / "results.md").read_text()
+
+
+def test_offload_benchmark_needs_a_gpu_and_says_so(capsys):
+    from benchmarks import offload as offload_bench
+
+    assert offload_bench.main("cpu") == []
+    assert "needs a CUDA GPU" in capsys.readouterr().out
+    assert offload_bench.hidden_fraction(0.0, 2.0) == 1.0  # nothing exposed: every copy overlapped
+    assert offload_bench.hidden_fraction(0.5, 2.0) == 0.75
+    assert offload_bench.hidden_fraction(3.0, 2.0) == -0.5  # slower than the copies alone
+    assert math.isnan(offload_bench.hidden_fraction(1.0, 0.0))
