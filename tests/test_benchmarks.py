@@ -13,6 +13,7 @@ import torch
 
 import fastckpt
 from benchmarks import checkpoint, report
+from benchmarks import offload as offload_bench
 from benchmarks.__main__ import main as bench_main
 from benchmarks.__main__ import parse_args
 from benchmarks.checkpoint import STOCK, Config, Skipped, configs, measure_workload, rows_of
@@ -370,8 +371,6 @@ def test_compile_section_runs_every_row_and_reports_the_targets(tmp_path, capsys
 
 
 def test_offload_benchmark_needs_a_gpu_and_says_so(capsys):
-    from benchmarks import offload as offload_bench
-
     assert offload_bench.main("cpu") == []
     assert "needs a CUDA GPU" in capsys.readouterr().out
     assert offload_bench.hidden_fraction(0.0, 2.0) == 1.0  # nothing exposed: every copy overlapped
