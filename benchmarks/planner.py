@@ -38,19 +38,14 @@ from benchmarks.checkpoint import max_rel_l2  # noqa: E402
 from benchmarks.harness import median_times, peak_bytes, quiet_profiler_logs, write_csv  # noqa: E402
 from benchmarks.report import fmt, missing  # noqa: E402
 from benchmarks.workloads import GPT2Block, GPT2Stack, StackShape, Workload, workloads  # noqa: E402
-from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, measure  # noqa: E402
+from fastckpt.planner import Measurements, extended_candidates, measure  # noqa: E402
 
 BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of stock checkpoint's measured peak
 # Every workload's blocks treat each sample alone, so the planner may also run a segment on its batch in two
 # slices (fastckpt.tiled(segment, 2, dim=0, policy), stored or recomputed); the gradient-error bound checks
 # the result. And it may keep the fused attention's output int8 instead of recomputing the attention kernel
 # (fastckpt.hybrid), with the rest of the recomputation plain or int8.
-EXTRA_CANDIDATES = (
-    "batch2:int8", "batch2:recompute", "batch2:recompute+int8", "batch2:recompute:int8+int8",
-    "selective-attention:int8", "selective-attention:recompute:int8+int8",
-    "batch2:selective-attention:int8", "batch2:selective-attention:recompute:int8+int8",
-)  # fmt: skip
-CANDIDATES = (*DEFAULT_CANDIDATES, *EXTRA_CANDIDATES)
+CANDIDATES = tuple(extended_candidates(batch_slices=[2]))
 TARGETS = {"fit": 0.05, "half_time": 1.05, "half_error": 5e-2, "full_time": 0.85, "prediction": 0.10}
 
 LONG_CONTEXT = {

@@ -19,14 +19,13 @@ from torch import nn
 import fastckpt
 import fastckpt.planner
 from benchmarks.harness import error_line, finish, quiet_profiler_logs
-from benchmarks.planner import CANDIDATES
 from benchmarks.workloads import GPT2Block
 
 CORPUS_FILES = ["argparse.py", "ast.py", "dataclasses.py", "enum.py", "functools.py", "inspect.py", "pathlib.py",
                 "subprocess.py", "typing.py", "threading.py"]  # fmt: skip
 PLAN_BUDGET = 0.5  # the planned row: fastckpt.plan at this fraction of stock checkpoint's peak
-# The policies it may choose from: the planner benchmark's, and (batches of 16 here) four batch slices.
-PLAN_CANDIDATES = (*CANDIDATES, "batch4:recompute+int8", "batch4:recompute:int8+int8")
+# The policies it may choose from: the defaults, the attention kept int8, and (batches of 16) batch slices.
+PLAN_CANDIDATES = tuple(fastckpt.planner.extended_candidates(batch_slices=[2, 4]))
 PLAN_MAX_ERROR = 5e-2  # and the gradient error each may show (the bound; without it int4 plans lost 1.5%)
 
 

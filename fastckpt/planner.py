@@ -65,6 +65,23 @@ REFERENCE = "recompute"  # stock checkpointing: what "N%" budgets are relative t
 DEFAULT_CANDIDATES = (NONE, "recompute", "recompute+int8", "int8", "int4", "recompute:int8+int8", "recompute:int4+int4")
 _MAX_STATES = 4096  # prefix states kept per segment by the dynamic programme before thinning
 
+# What extended_candidates adds: the fused attention kept int8, and the forms a batch slice runs (those too).
+_ATTENTION_CANDIDATES = ("selective-attention:int8", "selective-attention:recompute:int8+int8")
+_SLICED = ("int8", "recompute", "recompute+int8", "recompute:int8+int8")
+
+
+def extended_candidates(batch_slices: Iterable[int] = ()) -> list[str]:
+    """DEFAULT_CANDIDATES, the fused attention kept int8 instead of recomputed ('selective-attention:...',
+    where this torch can store what selective checkpointing saves), and for each N in `batch_slices` the
+    segment on its batch in N slices ('batch<N>:...': only for segments that treat every sample alone)."""
+    attention = _ATTENTION_CANDIDATES if hybrid._sac_honours_hooks() else ()
+    names = [*DEFAULT_CANDIDATES, *attention]
+    for count in batch_slices:
+        if not (isinstance(count, int) and not isinstance(count, bool) and count >= 2):
+            raise ValueError(f"extended_candidates: each batch slice count must be an integer >= 2, got {count!r}")
+        names += [f"{tiling.BATCH_PREFIX}{count}:{form}" for form in (*_SLICED, *attention)]
+    return names
+
 
 @dataclass(frozen=True)
 class SegmentCost:

@@ -21,8 +21,10 @@ from fastckpt.planner import (
     Measurements,
     SegmentCost,
     _fastest_within,
+    _name,
     _predicted_peak,
     _smallest_peak,
+    extended_candidates,
     measure,
 )
 from fastckpt.tiling import TiledWrapper
@@ -243,6 +245,17 @@ def test_batch_slices_plan_on_cuda_predicts_the_measured_peak():
     finally:
         plan.remove()
     assert abs(plan.predicted_peak - measured_peak) <= 0.10 * measured_peak, (plan.policies, measured_peak)
+
+
+def test_extended_candidates_name_valid_distinct_candidates():
+    names = extended_candidates(batch_slices=[2, 4])
+    assert names[: len(DEFAULT_CANDIDATES)] == list(DEFAULT_CANDIDATES)
+    assert len(set(names)) == len(names) and {"batch2:int8", "batch4:recompute:int8+int8"} <= set(names)
+    assert [_name(n) for n in names] == names  # each its own canonical name
+    assert ("selective-attention:int8" in names) == hybrid._sac_honours_hooks()
+    assert extended_candidates() == [n for n in names if not n.startswith("batch")]
+    with pytest.raises(ValueError, match="batch slice count must be an integer >= 2"):
+        extended_candidates(batch_slices=[1])
 
 
 def test_check_fn_chooses_the_segments():
