@@ -32,7 +32,10 @@ step() {  # step NAME TIMEOUT_S CMD...: run with a deadline, log to $logs/NAME.l
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; "$py" -c "import torch; print(torch.__version__, torch.version.cuda)"; git rev-parse HEAD 2>/dev/null; } >"$logs/env.log" 2>&1
 if step build 150 "$py" setup.py build_ext --inplace; then
   step info 15 "$py" -m fastckpt.info
-  step tests 150 "$py" -m pytest -q -p no:cacheprovider --junitxml="$logs/tests.xml"
+  # The suite takes ~2.5 minutes serially; the image has pytest-xdist, so spread it over 8 workers.
+  parallel=()
+  "$py" -c "import xdist" 2>/dev/null && parallel=(-n 8)
+  step tests 150 "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" --junitxml="$logs/tests.xml"
   # The four workloads only: the planner and compile sections would not fit the deadline.
   step bench 80 "$py" -m benchmarks checkpoint --device cuda --workloads seed-cnn,gpt2,gpt2-long,llama --out "$bench"
   step bench_ops 50 "$py" -m benchmarks ops --device cuda --out "$bench"
