@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,15 +133,18 @@ class Measurements:
         candidates: list[str],
         by_policy: dict[str, CandidateMeasurement],
         max_error: float | None = None,
+        failed: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.segments = segments
         self.by_policy = by_policy
         self.max_error = max_error
-        # What plans may choose (by_policy also holds the 'recompute' reference): with max_error, the candidates
-        # whose measured gradient error is within it.
-        self.candidates = [c for c in candidates if max_error is None or by_policy[c].grad_error <= max_error]
-        self.excluded = [c for c in candidates if c not in self.candidates]
+        self.failed = failed or {}  # candidates whose step raised on this model, with the error
+        # What plans may choose (by_policy also holds the 'recompute' reference): the candidates that ran and,
+        # with max_error, whose measured gradient error is within it.
+        ran = [c for c in candidates if c in by_policy]
+        self.candidates = [c for c in ran if max_error is None or by_policy[c].grad_error <= max_error]
+        self.excluded = [c for c in ran if c not in self.candidates]
 
     @property
     def reference_peak(self) -> int:
@@ -167,7 +171,7 @@ class Measurements:
                 f" ({self.excluded} left out: their gradient error exceeds max_error={self.max_error:g})"
                 if self.excluded
                 else ""
-            )
+            ) + (f" ({list(self.failed)} left out: they failed on this model)" if self.failed else "")
             raise ValueError(
                 f"plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments fits a "
                 f"budget of {budget_bytes} bytes ({budget_bytes / 2**20:.2f} MiB); the smallest feasible budget is "
@@ -219,6 +223,7 @@ class Measurements:
                 f"{sum(c.seconds for c in m.segments) / n * 1e3:>9.1f}{_bits(m.bits_per_element):>11}{error:>10}"
                 + ("  (left out: > max_error)" if name in self.excluded else "")
             )
+        lines += [f"{name:<24}failed on this model, left out: {error}" for name, error in self.failed.items()]
         return "\n".join(lines)
 
 
@@ -350,11 +355,11 @@ def measure(
     segments = _find_segments(model, check_fn)
     device = _device_of(model)
     measured = names if REFERENCE in names else [*names, REFERENCE]
-    by_policy = _measure(segments, step, measured, device, repeats)
+    by_policy, failed = _measure(model, segments, step, measured, device, repeats)
     if max_error is not None:
-        for name, error in _gradient_errors(model, segments, step, measured, device).items():
+        for name, error in _gradient_errors(model, segments, step, list(by_policy), device).items():
             by_policy[name].grad_error = error
-    return Measurements(model, segments, names, by_policy, max_error)
+    return Measurements(model, segments, names, by_policy, max_error, failed)
 
 
 # ---- arguments -------------------------------------------------------------------------------------------
@@ -674,10 +679,29 @@ def _timed_run(segments: list[Segment], step: Callable[[], Any], policy: str, de
 
 
 def _measure(
-    segments: list[Segment], step: Callable[[], Any], names: list[str], device: torch.device, repeats: int
-) -> dict[str, CandidateMeasurement]:
+    model: nn.Module,
+    segments: list[Segment],
+    step: Callable[[], Any],
+    names: list[str],
+    device: torch.device,
+    repeats: int,
+) -> tuple[dict[str, CandidateMeasurement], dict[str, str]]:
+    """Every candidate that runs on this model measured, and the error of each that raised (left out with a
+    warning; the reference, measured first, must run: its errors are the model's or the step's)."""
     step()  # warm-up: one-time allocations (gradients, optimizer state) and lazy initialisation
-    memory = {name: _memory_run(segments, step, name, device) for name in names}
+    memory, failed = {}, {}
+    for name in sorted(names, key=lambda n: n != REFERENCE):
+        grads = [(p, p.grad) for p in model.parameters()]
+        try:
+            memory[name] = _memory_run(segments, step, name, device)
+        except Exception as error:
+            if name == REFERENCE:
+                raise
+            for p, grad in grads:  # what the broken step accumulated must not skew the next runs
+                p.grad = grad
+            failed[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            warnings.warn(f"plan: candidate {name!r} failed on this model, left out ({failed[name]})", stacklevel=4)
+    names = [name for name in names if name in memory]
     samples: dict[str, list[list[float]]] = {name: [] for name in names}
     for _ in range(repeats):  # interleaved, so drift of the machine's speed hits every candidate alike
         for name in names:
@@ -703,7 +727,7 @@ def _measure(
             outside_seconds=outside,
             bits_per_element=bits,
         )
-    return result
+    return result, failed
 
 
 def _gradient_errors(

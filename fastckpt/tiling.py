@@ -49,6 +49,14 @@ class TiledWrapper(CheckpointWrapper):
         # Each chunk under a non-reentrant checkpoint, shielded from outer saved-tensor hooks (a storage policy
         # around this module): nested under hooks that copy what they pack, the engine would see the chunk's
         # saves in another order when it recomputes (torch's checkpoint does too).
+        caches = [name for name, value in (*enumerate(args, 1), *kwargs.items()) if _is_kv_cache(value)]
+        if caches:
+            # Every slice would append its keys to the one cache, and the later slices attend to the earlier
+            # slices' keys: wrong results of the right shape.
+            raise ValueError(
+                f"fastckpt.tiled: argument {caches[0]!r} is a key/value cache, which the slices would share; train "
+                "without one (use_cache=False, model.config.use_cache = False), as checkpointing requires anyway"
+            )
         options: dict[str, Any] = {"use_reentrant": False, "policy": self.policy}
         if self.context_fn is not None:
             options["context_fn"] = self.context_fn
@@ -74,6 +82,11 @@ class TiledWrapper(CheckpointWrapper):
 
 def _keep(t: torch.Tensor) -> torch.Tensor:
     return t
+
+
+def _is_kv_cache(value: object) -> bool:
+    """A Hugging Face key/value cache (transformers' Cache classes): each layer call writes to it."""
+    return not isinstance(value, torch.Tensor) and callable(getattr(value, "get_seq_length", None))
 
 
 def tiled(

@@ -247,6 +247,33 @@ def test_batch_slices_plan_on_cuda_predicts_the_measured_peak():
     assert abs(plan.predicted_peak - measured_peak) <= 0.10 * measured_peak, (plan.policies, measured_peak)
 
 
+class WholeBatchBlock(Block):
+    """A block that refuses a slice of the batch (as a model with batch-carrying side inputs would fail)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] != 4:
+            raise RuntimeError("this block needs the whole batch")
+        return super().forward(x)
+
+
+def test_a_candidate_that_fails_on_the_model_is_left_out_with_a_warning():
+    model, step = make(layers=3)
+    for i in range(3):
+        model.blocks[i] = WholeBatchBlock()
+    with pytest.warns(UserWarning, match=r"candidate 'batch2:recompute' failed on this model, left out \(RuntimeError"):
+        measurements = measure(model, step, candidates=["recompute", "batch2:recompute", "int8"], repeats=1)
+    assert measurements.candidates == ["recompute", "int8"] and list(measurements.failed) == ["batch2:recompute"]
+    assert "failed on this model, left out: RuntimeError: this block needs the whole batch" in measurements.table()
+    assert all(p.grad is None for p in model.parameters())  # the broken step's partial gradients undone
+    with pytest.raises(ValueError, match=r"\['batch2:recompute'\] left out: they failed on this model"):
+        measurements.plan(1)
+    for i in range(3):
+        model.blocks[i] = Block()  # a model that fails under the reference too: its error is raised
+    model.blocks[0].forward = lambda x: (_ for _ in ()).throw(RuntimeError("broken model"))
+    with pytest.raises(RuntimeError, match="broken model"):
+        measure(model, step, candidates=["recompute", "int8"], repeats=1)
+
+
 def test_extended_candidates_name_valid_distinct_candidates():
     names = extended_candidates(batch_slices=[2, 4])
     assert names[: len(DEFAULT_CANDIDATES)] == list(DEFAULT_CANDIDATES)

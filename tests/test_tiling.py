@@ -180,6 +180,23 @@ def test_storage_policy_slices_keep_as_much_and_hold_one_slice_in_backward():
     assert [s.policy for s in report.segments] == ["int8"] * 4
 
 
+def test_a_key_value_cache_argument_is_an_error():
+    class Cache:  # as transformers' Cache classes: each layer call appends its keys and values
+        def get_seq_length(self) -> int:
+            return 0
+
+    class Layer(torch.nn.Module):
+        def forward(self, x, past_key_values=None, use_cache=False):
+            return x * 2
+
+    x = torch.randn(2, 4, 8)
+    with pytest.raises(ValueError, match="argument 'past_key_values' is a key/value cache.*use_cache=False"):
+        fastckpt.tiled(Layer(), 2, dim=0)(x, past_key_values=Cache(), use_cache=True)
+    with pytest.raises(ValueError, match="argument 1 is a key/value cache"):
+        fastckpt.tiled(Layer(), 2, dim=0)(x, Cache())
+    torch.testing.assert_close(fastckpt.tiled(Layer(), 2, dim=0)(x, past_key_values=None), x * 2)
+
+
 def test_an_unsplit_input_that_carries_the_split_dimension_is_an_error():
     class AddBias(torch.nn.Module):
         def forward(self, x, bias):
