@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
+from fastckpt.planner import measure  # noqa: E402
 
 VOCAB = 128
 LAYERS = 4
@@ -237,3 +238,23 @@ def test_bad_arguments_are_named():
     with pytest.raises(TypeError, match="unknown checkpoint keyword"):
         hf.enable(model, bogus=1)
     assert not model.is_activation_checkpointing  # rejected before the model was changed
+
+
+def test_planner_with_batch_slices_and_attention_kept():
+    torch.manual_seed(0)
+    model = tiny_llama().train()
+    ids = batch()
+
+    def step() -> None:
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    candidates = ["recompute", "batch2:recompute", "selective-attention:int8"]
+    model.config.use_cache = False  # as for any checkpointing
+    measurements = measure(model, step, candidates=candidates, repeats=1, max_error=5e-2)
+    assert measurements.candidates == candidates and not measurements.failed
+    assert measurements.by_policy["batch2:recompute"].grad_error < 1e-5  # one random op per layer: same masks
+    model.config.use_cache = True  # every layer call writes to the cache: the slices would share it
+    with pytest.warns(UserWarning, match="'batch2:recompute' failed on this model.*key/value cache"):
+        measurements = measure(model, step, candidates=["recompute", "batch2:recompute"], repeats=1)
+    assert measurements.candidates == ["recompute"]
