@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fastckpt import hybrid, tiling
 from fastckpt.api import CheckpointWrapper, wrap
@@ -355,7 +355,15 @@ def measure(
     segments = _find_segments(model, check_fn)
     device = _device_of(model)
     measured = names if REFERENCE in names else [*names, REFERENCE]
+    mixing = _samples_mixed(segments, step, device, names)
+    if mixing:
+        measured = [n for n in measured if tiling.parse_candidate(n) is None]
     by_policy, failed = _measure(model, segments, step, measured, device, repeats)
+    for name in names:
+        split = tiling.parse_candidate(name)
+        if split is not None and split.chunks in mixing:
+            failed[name] = mixing[split.chunks]
+            warnings.warn(f"plan: candidate {name!r} left out: {failed[name]}", stacklevel=2)
     if max_error is not None:
         for name, error in _gradient_errors(model, segments, step, list(by_policy), device).items():
             by_policy[name].grad_error = error
@@ -754,8 +762,84 @@ def _gradient_errors(
                 handle.remove()
         return [captured.get(i) for i in range(len(parameters))]
 
-    reference = gradients(NONE)
-    return {name: 0.0 if name == NONE else max_relative_error(gradients(name), reference) for name in names}
+    # A batch slice is compared with the same slices kept exactly ('batch<N>:save'): those draw random ops in
+    # the slices' order, so the error is the policy's alone (_samples_mixed checked the slicing itself).
+    references: dict[str, list[torch.Tensor | None]] = {}
+
+    def reference(name: str) -> list[torch.Tensor | None]:
+        split = tiling.parse_candidate(name)
+        key = NONE if split is None else f"{tiling.BATCH_PREFIX}{split.chunks}:save"
+        if key not in references:
+            references[key] = gradients(key)
+        return references[key]
+
+    return {name: 0.0 if name == NONE else max_relative_error(gradients(name), reference(name)) for name in names}
+
+
+def _samples_mixed(
+    segments: list[Segment], step: Callable[[], Any], device: torch.device, names: list[str]
+) -> dict[int, str]:
+    """For each slice count N of the batch candidates in `names`: why slicing the batch in N changes what a
+    segment computes, if it does (absent: every segment treats its samples alone).
+
+    One step() captures each segment's inputs; then, per segment, its forward runs twice from the same RNG
+    seed (no grad, buffers restored after), the second time with the samples outside the first slice
+    changed: the first slice's output must not move (BatchNorm in training, attention across the batch or
+    a batch-wide statistic would move it)."""
+    counts = sorted({split.chunks for split in map(tiling.parse_candidate, names) if split is not None})
+    if not counts:
+        return {}
+    captured: dict[int, tuple] = {}
+    handles = [
+        segment.module.register_forward_pre_hook(
+            lambda module, args, kwargs, i=i: captured.setdefault(i, _detached((args, kwargs))), with_kwargs=True
+        )
+        for i, segment in enumerate(segments)
+    ]
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    devices = [device] if device.type == "cuda" else []
+    reasons = {}
+    for count in counts:
+        for i, segment in enumerate(segments):
+            if i not in captured:
+                continue
+            (x, *args), kwargs = captured[i]
+            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] < 2:
+                continue
+            first = x.chunk(count)[0].shape[0]
+            changed = x.clone()
+            changed[first:] = changed[first:] * 2 + 1
+            buffers = {name: b.clone() for name, b in segment.module.named_buffers()}
+            outputs = []
+            try:
+                for inputs in (x, changed):
+                    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                        torch.manual_seed(0x5A3)
+                        outputs.append(_first_tensor(segment.module(inputs, *args, **kwargs)))
+            finally:
+                with torch.no_grad():
+                    for name, b in segment.module.named_buffers():
+                        b.copy_(buffers[name])
+            kept, moved = outputs[0][:first].float(), outputs[1][:first].float()
+            if (kept - moved).norm() > 1e-4 * kept.norm():
+                reasons[count] = (
+                    f"segment {segment.name!r} mixes the samples of a batch (changing the samples outside the first of "
+                    f"{count} slices changed that slice's output), so batch slices would change what it computes"
+                )
+                break
+    return reasons
+
+
+def _detached(tree: Any) -> Any:
+    return tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, tree)
+
+
+def _first_tensor(output: Any) -> torch.Tensor:
+    return next(t for t in tree_leaves(output) if isinstance(t, torch.Tensor))
 
 
 def max_relative_error(grads: Sequence[torch.Tensor | None], reference: Sequence[torch.Tensor | None]) -> float:

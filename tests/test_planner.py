@@ -19,10 +19,12 @@ from fastckpt.planner import (
     NONE,
     CandidateMeasurement,
     Measurements,
+    Segment,
     SegmentCost,
     _fastest_within,
     _name,
     _predicted_peak,
+    _samples_mixed,
     _smallest_peak,
     extended_candidates,
     measure,
@@ -272,6 +274,63 @@ def test_a_candidate_that_fails_on_the_model_is_left_out_with_a_warning():
     model.blocks[0].forward = lambda x: (_ for _ in ()).throw(RuntimeError("broken model"))
     with pytest.raises(RuntimeError, match="broken model"):
         measure(model, step, candidates=["recompute", "int8"], repeats=1)
+
+
+class BatchNormBlock(Block):
+    """Normalises over the batch in training: its samples are not independent."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__(dim)
+        self.norm = nn.BatchNorm1d(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+
+class TwoDropoutBlock(Block):
+    """Two random ops per block: batch slices draw their masks in another order than the whole batch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.dropout(self.fc1(self.ln(x)), 0.2)
+        return x + F.dropout(self.fc2(F.gelu(h)), 0.2)
+
+
+def batchnorm_model():
+    model, step = make(layers=3)
+    torch.manual_seed(1)
+    for i in range(3):
+        model.blocks[i] = BatchNormBlock()
+    return model, step
+
+
+def test_batch_slices_of_blocks_that_mix_samples_are_left_out():
+    model, step = batchnorm_model()
+    with pytest.warns(UserWarning, match=r"'batch2:recompute' left out: segment 'blocks.0' mixes the samples"):
+        measurements = measure(model, step, candidates=["recompute", "batch2:recompute"], repeats=1)
+    assert measurements.candidates == ["recompute"] and "mixes the samples" in measurements.failed["batch2:recompute"]
+
+
+def test_the_sample_check_leaves_the_buffers_as_the_step_left_them():
+    checked, step = batchnorm_model()
+    twin, twin_step = batchnorm_model()
+    segments = [Segment(f"blocks.{i}", checked.blocks, str(i), b) for i, b in enumerate(checked.blocks)]
+    assert list(_samples_mixed(segments, step, torch.device("cpu"), ["batch2:recompute", "int8"])) == [2]
+    twin_step()  # the check ran one step, then its own forwards, whose running statistics it undid
+    for b, t in zip(checked.blocks, twin.blocks, strict=True):
+        torch.testing.assert_close(b.norm.running_mean, t.norm.running_mean, rtol=0, atol=0)
+    assert _samples_mixed(segments, lambda: None, torch.device("cpu"), ["batch2:recompute"]) == {}  # ran none
+
+
+def test_batch_slices_are_compared_with_the_same_slices_kept_exactly():
+    model, step = make(layers=3)
+    for i in range(3):
+        model.blocks[i] = TwoDropoutBlock()
+    measurements = measure(model, step, candidates=["recompute", "batch2:recompute", "batch2:int8"], max_error=5e-2)
+    # Recomputing each slice replays its random draws: exact against the same slices stored plainly, though
+    # the slices' masks differ from the whole batch's.
+    assert measurements.by_policy["batch2:recompute"].grad_error < 1e-6
+    assert 0 < measurements.by_policy["batch2:int8"].grad_error <= 1e-2
+    assert measurements.candidates == ["recompute", "batch2:recompute", "batch2:int8"]
 
 
 def test_extended_candidates_name_valid_distinct_candidates():
