@@ -315,15 +315,18 @@ def plan(
     as <spec> says: 'selective:int8', 'selective:recompute:int8+int8'), 'selective-attention:<spec>' (the
     same keeping only the fused attention's outputs) or 'batch<N>:<policy or selective candidate>'
     (fastckpt.tiled(segment, N, dim=0, ...): the segment's batch in N slices, each checkpointed, so its
-    backward holds one slice's activations; only for segments that treat every sample alone and take one
-    batched input) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on
-    CPU 'selective:int8' measured slower and larger than 'int8' and attention-only pays off where attention
-    dominates, and batch slices, which need the caller's word that they are exact).
-    `max_error`, when given, leaves out the candidates whose gradient error exceeds it: the largest relative
-    L2 error of a parameter's gradient against no checkpointing, measured with every segment under the candidate and the
-    same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs,
-    but that is not guaranteed). Runs step() 2 + len(candidates) * (1 + repeats) times, plus
-    1 + len(candidates) with max_error. ValueError if no assignment fits, naming the smallest budget.
+    backward holds one slice's activations; for segments that treat every sample alone, which the planner
+    checks: batch candidates are left out, with a warning, when changing the other samples moves a slice's
+    output) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on CPU 'selective:int8'
+    measured slower and larger than 'int8' and attention-only pays off where attention dominates, and batch
+    slices; `extended_candidates` adds both). A candidate whose step raises on the model is left out with a
+    warning. `max_error`, when given, leaves out the candidates whose gradient error exceeds it: the
+    largest relative L2 error of a parameter's gradient against no checkpointing (a batch slice: against
+    the same slices kept exactly, which draw random ops in the same order), measured with every segment
+    under the candidate and the same RNG seed (a bound per candidate; a mix of candidates within it
+    measured within it too in our runs, but that is not guaranteed). Runs step() 2 + len(candidates) *
+    (1 + repeats) times, plus 1 + len(candidates) with max_error (and one more per slice count for a batch
+    candidate). ValueError if no assignment fits, naming the smallest budget.
     """
     _check_budget(budget)
     return measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error).plan(budget)
