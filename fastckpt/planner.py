@@ -810,9 +810,10 @@ def _samples_mixed(
         for i, segment in enumerate(segments):
             if i not in captured:
                 continue
-            (x, *args), kwargs = captured[i]
+            args, kwargs = captured[i]
+            x = args[0] if args else None
             if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] < 2:
-                continue
+                continue  # nothing to slice here (tiled itself refuses a segment without a tensor first input)
             first = x.chunk(count)[0].shape[0]
             changed = x.clone()
             changed[first:] = changed[first:] * 2 + 1
@@ -822,7 +823,10 @@ def _samples_mixed(
                 for inputs in (x, changed):
                     with torch.no_grad(), torch.random.fork_rng(devices=devices):
                         torch.manual_seed(0x5A3)
-                        outputs.append(_first_tensor(segment.module(inputs, *args, **kwargs)))
+                        outputs.append(_first_tensor(segment.module(inputs, *args[1:], **kwargs)))
+            except Exception as error:
+                reasons[count] = f"segment {segment.name!r} could not be run alone to check batch slicing ({error})"
+                break
             finally:
                 with torch.no_grad():
                     for name, b in segment.module.named_buffers():

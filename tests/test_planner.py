@@ -310,6 +310,22 @@ def test_batch_slices_of_blocks_that_mix_samples_are_left_out():
     assert measurements.candidates == ["recompute"] and "mixes the samples" in measurements.failed["batch2:recompute"]
 
 
+class GradOnlyBlock(Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            raise RuntimeError("runs with grad only")
+        return super().forward(x)
+
+
+def test_a_segment_the_sample_check_cannot_run_leaves_batch_slices_out():
+    model, step = make(layers=2)
+    for i in range(2):
+        model.blocks[i] = GradOnlyBlock()
+    with pytest.warns(UserWarning, match=r"'batch2:recompute' left out: segment 'blocks.0' could not be run alone"):
+        measurements = measure(model, step, candidates=["recompute", "batch2:recompute"], repeats=1)
+    assert measurements.candidates == ["recompute"]
+
+
 def test_the_sample_check_leaves_the_buffers_as_the_step_left_them():
     checked, step = batchnorm_model()
     twin, twin_step = batchnorm_model()
