@@ -149,9 +149,10 @@ class OffloadEngine:
         buffer, writable = self.arena.take(nbytes)
         host = buffer.view(t.dtype).view(t.shape) if nbytes else torch.empty(t.shape, dtype=t.dtype)
         stream = self._stream(t.device, "d2h")
+        producer = torch.cuda.current_stream(t.device) if stream is not None else None  # before switching to `stream`
         with self._on(stream):
             if stream is not None:
-                stream.wait_stream(torch.cuda.current_stream(t.device))
+                stream.wait_stream(producer)  # t is complete
                 if writable is not None:
                     stream.wait_event(writable)  # the buffer's last host-to-device copy has read it
             elif writable is not None:
@@ -220,9 +221,10 @@ class OffloadEngine:
                 break
             budget -= nbytes
             stream = self._stream(copy.device, "h2d")
+            compute = torch.cuda.current_stream(copy.device) if stream is not None else None
             with self._on(stream):
                 if stream is not None:
-                    stream.wait_stream(torch.cuda.current_stream(copy.device))
+                    stream.wait_stream(compute)  # after what backward has enqueued so far
                     if copy.copied is not None:
                         stream.wait_event(copy.copied)
                 pinned = stream is not None and copy.tensor.is_pinned()
