@@ -249,19 +249,24 @@ def test_batch_slices_plan_on_cuda_predicts_the_measured_peak():
     assert abs(plan.predicted_peak - measured_peak) <= 0.10 * measured_peak, (plan.policies, measured_peak)
 
 
-class WholeBatchBlock(Block):
-    """A block that refuses a slice of the batch (as a model with batch-carrying side inputs would fail)."""
+class RefusingBlock(Block):
+    """A block that raises `message` when `refuses(x)`, as a model that cannot take what a candidate (a slice
+    of the batch, say, with batch-carrying side inputs) or the planner's checks give it."""
+
+    def __init__(self, refuses, message: str) -> None:
+        super().__init__()
+        self.refuses, self.message = refuses, message
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 4:
-            raise RuntimeError("this block needs the whole batch")
+        if self.refuses(x):
+            raise RuntimeError(self.message)
         return super().forward(x)
 
 
 def test_a_candidate_that_fails_on_the_model_is_left_out_with_a_warning():
     model, step = make(layers=3)
     for i in range(3):
-        model.blocks[i] = WholeBatchBlock()
+        model.blocks[i] = RefusingBlock(lambda x: x.shape[0] != 4, "this block needs the whole batch")
     with pytest.warns(UserWarning, match=r"candidate 'batch2:recompute' failed on this model, left out \(RuntimeError"):
         measurements = measure(model, step, candidates=["recompute", "batch2:recompute", "int8"], repeats=1)
     assert measurements.candidates == ["recompute", "int8"] and list(measurements.failed) == ["batch2:recompute"]
@@ -310,17 +315,10 @@ def test_batch_slices_of_blocks_that_mix_samples_are_left_out():
     assert measurements.candidates == ["recompute"] and "mixes the samples" in measurements.failed["batch2:recompute"]
 
 
-class GradOnlyBlock(Block):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            raise RuntimeError("runs with grad only")
-        return super().forward(x)
-
-
 def test_a_segment_the_sample_check_cannot_run_leaves_batch_slices_out():
     model, step = make(layers=2)
     for i in range(2):
-        model.blocks[i] = GradOnlyBlock()
+        model.blocks[i] = RefusingBlock(lambda x: not torch.is_grad_enabled(), "runs with grad only")
     with pytest.warns(UserWarning, match=r"'batch2:recompute' left out: segment 'blocks.0' could not be run alone"):
         measurements = measure(model, step, candidates=["recompute", "batch2:recompute"], repeats=1)
     assert measurements.candidates == ["recompute"]
