@@ -325,8 +325,9 @@ def plan(
     the same slices kept exactly, which draw random ops in the same order), measured with every segment
     under the candidate and the same RNG seed (a bound per candidate; a mix of candidates within it
     measured within it too in our runs, but that is not guaranteed). Runs step() 2 + len(candidates) *
-    (1 + repeats) times, plus 1 + len(candidates) with max_error (and one more per slice count for a batch
-    candidate). ValueError if no assignment fits, naming the smallest budget.
+    (1 + repeats) times, plus 1 + len(candidates) with max_error; batch candidates add one step (the sample
+    check) and, with max_error, one per slice count (their reference). ValueError if no assignment fits,
+    naming the smallest budget.
     """
     _check_budget(budget)
     return measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error).plan(budget)
