@@ -15,8 +15,9 @@ Backward: tensors come back on the current stream. When a segment's first tensor
 prefetches the tensors of the segment packed before it (the one backward runs next) on another side
 stream, up to `max_prefetch_bytes`, so its copies overlap this segment's backward.
 
-The logic (arena reuse, the in-flight bound, prefetch order) does not depend on CUDA: on CPU tensors the
-engine copies synchronously, and tests pass their own events and allocator.
+The logic (arena reuse, the in-flight bound, prefetch order, which stream waits for what) does not depend on
+CUDA: on CPU tensors the engine copies synchronously, and tests substitute recording streams and events
+(`CudaStreams` is the one place that calls torch.cuda) and their own allocator.
 """
 
 from __future__ import annotations
@@ -108,24 +109,45 @@ class OffloadGroup:
         self.prefetch_started = False
 
 
-class OffloadEngine:
-    """Device-to-host copies in forward, host-to-device copies (and prefetch) in backward.
+class CudaStreams:
+    """The streams and events that order the engine's copies of CUDA tensors (other devices: none, copies
+    are synchronous). Tests substitute a recording stand-in to check the ordering without a GPU."""
 
-    `new_event()` makes the events that order the copies (default: torch.cuda.Event on CUDA tensors, none
-    on CPU tensors); tests pass their own to observe the in-flight bound.
-    """
+    def applies(self, device: torch.device) -> bool:
+        return device.type == "cuda"
+
+    def current(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)
+
+    def new_event(self) -> Any:
+        return torch.cuda.Event()
+
+    def keep_alive(self, tensor: torch.Tensor, stream: Any) -> None:
+        """`tensor`'s memory is not reused before what `stream` has enqueued so far ran."""
+        tensor.record_stream(stream)
+
+
+class OffloadEngine:
+    """Device-to-host copies in forward, host-to-device copies (and prefetch) in backward, ordered by
+    `streams` (CudaStreams)."""
 
     def __init__(
         self,
         arena: HostArena | None = None,
         max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES,
         max_prefetch_bytes: int = DEFAULT_MAX_PREFETCH_BYTES,
-        new_event: Callable[[], Any] | None = None,
+        streams: Any = None,
     ) -> None:
         self.arena = arena or HostArena()
         self.max_in_flight_bytes = max_in_flight_bytes
         self.max_prefetch_bytes = max_prefetch_bytes
-        self._new_event = new_event
+        self.streams = streams or CudaStreams()
         self._in_flight: collections.deque[tuple[Any, int]] = collections.deque()
         self._groups: list[weakref.ref] = []  # in forward (pack) order
         self._streams: dict[tuple[torch.device, str], Any] = {}
@@ -149,7 +171,7 @@ class OffloadEngine:
         buffer, writable = self.arena.take(nbytes)
         host = buffer.view(t.dtype).view(t.shape) if nbytes else torch.empty(t.shape, dtype=t.dtype)
         stream = self._stream(t.device, "d2h")
-        producer = torch.cuda.current_stream(t.device) if stream is not None else None  # before switching to `stream`
+        producer = self.streams.current(t.device) if stream is not None else None  # before switching to `stream`
         with self._on(stream):
             if stream is not None:
                 stream.wait_stream(producer)  # t is complete
@@ -158,9 +180,9 @@ class OffloadEngine:
             elif writable is not None:
                 writable.synchronize()
             host.copy_(t, non_blocking=stream is not None and host.is_pinned())
-            copied = self._event(stream, t.device)
+            copied = self._event(stream)
         if stream is not None:
-            t.record_stream(stream)  # the caching allocator must not reuse t's memory before the copy ran
+            self.streams.keep_alive(t, stream)  # the allocator must not reuse t's memory before the copy ran
         if copied is not None:
             self._in_flight.append((copied, nbytes))
         copy = HostCopy(host, t.device, copied)
@@ -188,16 +210,16 @@ class OffloadEngine:
             tensor, ready = copy.prefetched
             copy.prefetched = None
             self.prefetch_hits += 1
-            if copy.device.type == "cuda":
-                current = torch.cuda.current_stream(copy.device)
+            if ready is not None:
+                current = self.streams.current(copy.device)
                 current.wait_event(ready)
-                tensor.record_stream(current)  # made on the prefetch stream, used (and freed) on this one
+                self.streams.keep_alive(tensor, current)  # made on the prefetch stream, used (and freed) here
             return tensor
-        current = torch.cuda.current_stream(copy.device) if copy.device.type == "cuda" else None
+        current = self.streams.current(copy.device) if self.streams.applies(copy.device) else None
         if current is not None and copy.copied is not None:
             current.wait_event(copy.copied)
         tensor = copy.tensor.to(copy.device, non_blocking=current is not None and copy.tensor.is_pinned(), copy=True)
-        copy.last_read[0] = self._event(current, copy.device)
+        copy.last_read[0] = self._event(current)
         return tensor
 
     def entering(self, group: OffloadGroup) -> None:
@@ -221,7 +243,7 @@ class OffloadEngine:
                 break
             budget -= nbytes
             stream = self._stream(copy.device, "h2d")
-            compute = torch.cuda.current_stream(copy.device) if stream is not None else None
+            compute = self.streams.current(copy.device) if stream is not None else None
             with self._on(stream):
                 if stream is not None:
                     stream.wait_stream(compute)  # after what backward has enqueued so far
@@ -229,7 +251,7 @@ class OffloadEngine:
                         stream.wait_event(copy.copied)
                 pinned = stream is not None and copy.tensor.is_pinned()
                 tensor = copy.tensor.to(copy.device, non_blocking=pinned, copy=True)
-                ready = self._event(stream, copy.device)
+                ready = self._event(stream)
             copy.prefetched = (tensor, ready)
             copy.last_read[0] = ready
             self.prefetched += 1
@@ -237,24 +259,22 @@ class OffloadEngine:
     # ---- streams and events ----------------------------------------------------------------------------
 
     def _stream(self, device: torch.device, purpose: str) -> Any:
-        if device.type != "cuda":
+        """The side stream for `purpose` on `device`; None where copies are synchronous."""
+        if not self.streams.applies(device):
             return None
         key = (device, purpose)
         if key not in self._streams:
-            self._streams[key] = torch.cuda.Stream(device)
+            self._streams[key] = self.streams.new_stream(device)
         return self._streams[key]
 
-    @staticmethod
-    def _on(stream: Any) -> contextlib.AbstractContextManager:
-        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    def _on(self, stream: Any) -> contextlib.AbstractContextManager:
+        return self.streams.on(stream) if stream is not None else contextlib.nullcontext()
 
-    def _event(self, stream: Any, device: torch.device) -> Any:
-        if self._new_event is not None:
-            event = self._new_event()
-        elif device.type == "cuda":
-            event = torch.cuda.Event()
-        else:
+    def _event(self, stream: Any) -> Any:
+        """An event recorded on `stream` now; None where copies are synchronous (no stream)."""
+        if stream is None:
             return None
+        event = self.streams.new_event()
         event.record(stream)
         return event
 

@@ -3,6 +3,7 @@ pinning failure. (On CUDA the same code adds streams and events; see the cuda te
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import warnings
 
@@ -15,15 +16,16 @@ from tests.models import TransformerBlock
 
 
 class FakeEvent:
-    """Completes only when synchronized; records the order in which that happened."""
+    """Completes only when synchronized; records the order in which that happened, and its stream."""
 
     log: list[FakeEvent] = []
 
     def __init__(self) -> None:
         self.done = False
+        self.stream: FakeStream | None = None
 
-    def record(self, stream=None) -> None:
-        pass
+    def record(self, stream) -> None:
+        self.stream = stream
 
     def query(self) -> bool:
         return self.done
@@ -31,6 +33,55 @@ class FakeEvent:
     def synchronize(self) -> None:
         self.done = True
         FakeEvent.log.append(self)
+
+
+class FakeStream:
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: FakeStream) -> None:
+        self.log.append((self.name, "waits for stream", other.name))
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append((self.name, "waits for event on", event.stream.name))
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+class RecordingStreams:
+    """offload.CudaStreams' stand-in: CPU tensors treated as on an asynchronous device; every wait, switch
+    and keep-alive logged in order."""
+
+    def __init__(self) -> None:
+        self.log: list = []
+        self.compute = FakeStream("compute", self.log)
+        self._current = [self.compute]
+        self.made = 0
+
+    def applies(self, device) -> bool:
+        return True
+
+    def current(self, device) -> FakeStream:
+        return self._current[-1]
+
+    def new_stream(self, device) -> FakeStream:
+        self.made += 1
+        return FakeStream(f"side{self.made}", self.log)
+
+    @contextlib.contextmanager
+    def on(self, stream):
+        self._current.append(stream)
+        try:
+            yield
+        finally:
+            self._current.pop()
+
+    def new_event(self) -> FakeEvent:
+        return FakeEvent()
+
+    def keep_alive(self, tensor, stream) -> None:
+        self.log.append(("keep alive on", stream.name))
 
 
 def pageable(nbytes: int) -> torch.Tensor:
@@ -85,7 +136,7 @@ def test_the_arena_allocates_in_the_first_step_only():
 def test_in_flight_copies_are_bounded_oldest_first():
     FakeEvent.log.clear()
     tensor = torch.randn(256)  # 1 KiB
-    eng = engine(max_in_flight_bytes=3 * 1024, new_event=FakeEvent)
+    eng = engine(max_in_flight_bytes=3 * 1024, streams=RecordingStreams())
     copies = [eng.to_host(tensor) for _ in range(5)]
     assert eng.waits_for_bound == 2
     assert FakeEvent.log == [copies[0].copied, copies[1].copied]  # the oldest copies were waited for
@@ -95,17 +146,38 @@ def test_in_flight_copies_are_bounded_oldest_first():
 
 
 def test_a_reused_buffer_waits_for_the_copy_that_last_read_it():
-    FakeEvent.log.clear()
-    eng = engine(new_event=FakeEvent)
+    streams = RecordingStreams()
+    eng = engine(streams=streams)
     copy = eng.to_host(torch.randn(64))
-    copy.copied.done = True
     eng.to_device(copy)
     last_read = copy.last_read[0]
-    assert isinstance(last_read, FakeEvent) and not last_read.done
+    assert isinstance(last_read, FakeEvent) and last_read.stream is streams.compute
     del copy
     gc.collect()
-    eng.to_host(torch.randn(64))  # the same buffer: written only once the read finished
-    assert last_read in FakeEvent.log and eng.arena.reuses == 1
+    streams.log.clear()
+    eng.to_host(torch.randn(64))  # the same buffer: written only after the read on the compute stream
+    assert ("side1", "waits for event on", "compute") in streams.log and eng.arena.reuses == 1
+
+
+def test_copies_are_ordered_by_streams_and_events():
+    streams = RecordingStreams()
+    eng = engine(streams=streams)
+    first, second = eng.group(), eng.group()
+    x, y = torch.randn(64), torch.randn(32)
+    cx, cy = eng.to_host(x, first), eng.to_host(y, second)
+    # Forward: the copy stream waits for the stream that made the tensor, which stays alive on the copy stream.
+    assert streams.log == [("side1", "waits for stream", "compute"), ("keep alive on", "side1")] * 2
+    assert cx.copied.stream.name == "side1"
+    streams.log.clear()
+    eng.entering(second)  # prefetch `first` on its own stream, after its copy to host finished
+    assert streams.log == [("side2", "waits for stream", "compute"), ("side2", "waits for event on", "side1")]
+    streams.log.clear()
+    back_y = eng.to_device(cy)  # not prefetched: the compute stream waits for the copy to host
+    assert streams.log == [("compute", "waits for event on", "side1")]
+    streams.log.clear()
+    back_x = eng.to_device(cx)  # prefetched: wait for the prefetch, keep its memory alive on the compute stream
+    assert streams.log == [("compute", "waits for event on", "side2"), ("keep alive on", "compute")]
+    assert torch.equal(back_x, x) and torch.equal(back_y, y)
 
 
 def test_entering_a_segment_prefetches_the_one_backward_runs_next():
