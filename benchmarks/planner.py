@@ -46,6 +46,8 @@ BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of stock checkpoint's measured peak
 # the result. And it may keep the fused attention's output int8 instead of recomputing the attention kernel
 # (fastckpt.hybrid), with the rest of the recomputation plain or int8.
 CANDIDATES = tuple(extended_candidates(batch_slices=[2]))
+# The GPT-2 stack's batch is 4: it may also run in four slices.
+GPT2_CANDIDATES = tuple(extended_candidates(batch_slices=[2, 4]))
 TARGETS = {"fit": 0.05, "half_time": 1.05, "half_error": 5e-2, "full_time": 0.85, "prediction": 0.10}
 
 LONG_CONTEXT = {
@@ -404,20 +406,21 @@ def main(
     size = "smoke" if smoke else "quick" if quick else "full"
     shape = LONG_CONTEXT[size]
     chosen = [
-        (long_context(shape), None),
-        (long_context(shape, True), is_sublayer),
-        (long_context(shape, tiled=True), is_attention_half),
-        (workloads(dev, size)["gpt2"], None),
+        (long_context(shape), None, CANDIDATES),
+        (long_context(shape, True), is_sublayer, CANDIDATES),
+        (long_context(shape, tiled=True), is_attention_half, CANDIDATES),
+        (workloads(dev, size)["gpt2"], None, GPT2_CANDIDATES),
     ]
     repeats, rounds = RUNS[size]
     threads = torch.get_num_threads() if dev.type == "cpu" else None
     print(f"fastckpt {fastckpt.__version__} planner, torch {torch.__version__} on {device}", end="")
     print(f" ({threads} threads)" if threads else f" ({torch.cuda.get_device_name(dev)})")
-    print(f"candidates: {', '.join(CANDIDATES)}; {repeats} timed run(s) per candidate, plans timed over")
-    print(f"{rounds} interleaved rounds; budgets are fractions of stock torch.utils.checkpoint's measured peak")
+    print(f"candidates: {', '.join(CANDIDATES)} (GPT-2, batch 4: also batch4:...)")
+    print(f"{repeats} timed run(s) per candidate, plans timed over {rounds} interleaved rounds; budgets are fractions")
+    print("of stock torch.utils.checkpoint's measured peak")
     every = []
-    for workload, check_fn in chosen:
-        rows, measurements = run_workload(workload, dev, list(CANDIDATES), repeats, rounds, check_fn)
+    for workload, check_fn, candidates in chosen:
+        rows, measurements = run_workload(workload, dev, list(candidates), repeats, rounds, check_fn)
         _print(workload, rows, measurements, rows[0]["measure_s"])
         for line in _targets(rows):
             print(f"  target {line}")
