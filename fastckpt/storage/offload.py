@@ -35,10 +35,6 @@ DEFAULT_MAX_IN_FLIGHT_BYTES = 256 * 2**20  # queued device-to-host copies before
 DEFAULT_MAX_PREFETCH_BYTES = 256 * 2**20  # host-to-device copies started ahead of backward
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 class HostArena:
     """Exact-size host buffers (uint8), reused across steps.
 
@@ -166,7 +162,7 @@ class OffloadEngine:
 
     def to_host(self, t: torch.Tensor, group: OffloadGroup | None = None) -> HostCopy:
         """Start copying `t` to host memory; returns at once (CUDA) or after the copy (CPU)."""
-        nbytes = _nbytes(t)
+        nbytes = t.nbytes
         self._bound_in_flight(nbytes)
         buffer, writable = self.arena.take(nbytes)
         host = buffer.view(t.dtype).view(t.shape) if nbytes else torch.empty(t.shape, dtype=t.dtype)
@@ -238,7 +234,7 @@ class OffloadEngine:
             copy = ref()
             if copy is None or copy.prefetched is not None:
                 continue
-            nbytes = _nbytes(copy.tensor)
+            nbytes = copy.tensor.nbytes
             if nbytes > budget:
                 break
             budget -= nbytes

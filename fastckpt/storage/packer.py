@@ -22,6 +22,7 @@ _STORABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _nbytes(t: torch.Tensor) -> int:
+    # Not t.nbytes: that refuses the symbolic sizes of a compiled graph's fake values (fastckpt.compiled).
     return t.numel() * t.element_size()
 
 
