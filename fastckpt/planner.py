@@ -806,39 +806,45 @@ def _samples_mixed(
         for handle in handles:
             handle.remove()
     devices = [device] if device.type == "cuda" else []
-    reasons = {}
-    for count in counts:
-        for i, segment in enumerate(segments):
-            if i not in captured:
-                continue
-            args, kwargs = captured[i]
-            x = args[0] if args else None
-            if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] < 2:
-                continue  # nothing to slice here (tiled itself refuses a segment without a tensor first input)
-            first = x.chunk(count)[0].shape[0]
-            changed = x.clone()
-            changed[first:] = changed[first:] * 2 + 1
-            buffers = {name: b.clone() for name, b in segment.module.named_buffers()}
-            outputs = []
-            try:
-                for inputs in (x, changed):
-                    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-                        torch.manual_seed(0x5A3)
-                        outputs.append(_first_tensor(segment.module(inputs, *args[1:], **kwargs)))
-            except Exception as error:
-                reasons[count] = f"segment {segment.name!r} could not be run alone to check batch slicing ({error})"
-                break
-            finally:
-                with torch.no_grad():
-                    for name, b in segment.module.named_buffers():
-                        b.copy_(buffers[name])
-            kept, moved = outputs[0][:first].float(), outputs[1][:first].float()
-            if (kept - moved).norm() > 1e-4 * kept.norm():
-                reasons[count] = (
-                    f"segment {segment.name!r} mixes the samples of a batch (changing the samples outside the first of "
-                    f"{count} slices changed that slice's output), so batch slices would change what it computes"
-                )
-                break
+
+    def forward(module: nn.Module, inputs: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
+        """The module's first output from a fixed seed, without grad, its buffers (BatchNorm's) put back."""
+        buffers = {name: b.clone() for name, b in module.named_buffers()}
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices):
+                torch.manual_seed(0x5A3)
+                return _first_tensor(module(inputs, *args, **kwargs)).float()
+        finally:
+            with torch.no_grad():
+                for name, b in module.named_buffers():
+                    b.copy_(buffers[name])
+
+    reasons: dict[int, str] = {}
+    for i, segment in enumerate(segments):
+        args, kwargs = captured.get(i, ((), {}))
+        x = args[0] if args else None
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] < 2:
+            continue  # nothing to slice here (tiled itself refuses a segment without a tensor first input)
+        unchecked = [count for count in counts if count not in reasons]
+        if not unchecked:
+            break
+        try:
+            whole = forward(segment.module, x, args[1:], kwargs)
+            for count in unchecked:
+                first = x.chunk(count)[0].shape[0]
+                changed = x.clone()
+                changed[first:] = changed[first:] * 2 + 1
+                moved = forward(segment.module, changed, args[1:], kwargs)[:first]
+                if (whole[:first] - moved).norm() > 1e-4 * whole[:first].norm():
+                    reasons[count] = (
+                        f"segment {segment.name!r} mixes the samples of a batch (changing the samples outside the "
+                        f"first of {count} slices changed that slice's output), so batch slices would change what it "
+                        "computes"
+                    )
+        except Exception as error:
+            why = f"segment {segment.name!r} could not be run alone to check batch slicing ({error})"
+            for count in unchecked:
+                reasons.setdefault(count, why)
     return reasons
 
 
