@@ -435,20 +435,21 @@ def _name(candidate: str | Policy | None) -> str:
     (fastckpt.hybrid) or 'batch<N>:<inner>' (fastckpt.tiling)."""
     if candidate is None or candidate == NONE:
         return NONE
-    special = hybrid.parse_candidate(candidate) or tiling.parse_candidate(candidate)
-    if special is not None:
-        return str(special)
-    return str(Policy.parse(candidate))
+    special = _special(candidate)
+    return str(special) if special is not None else str(Policy.parse(candidate))
+
+
+def _special(name: object) -> hybrid.Candidate | tiling.BatchSplit | None:
+    """A candidate that is more than a policy (selective checkpointing, batch slices); None for a policy."""
+    return hybrid.parse_candidate(name) or tiling.parse_candidate(name)
 
 
 def _runner(module: nn.Module, name: str) -> nn.Module:
     """`module` as candidate `name` runs it: itself ('none'), or wrapped by fastckpt."""
     if name == NONE:
         return module
-    special = hybrid.parse_candidate(name) or tiling.parse_candidate(name)
-    if special is not None:
-        return special.wrap(module)
-    return wrap(module, name)
+    special = _special(name)
+    return special.wrap(module) if special is not None else wrap(module, name)
 
 
 def _find_segments(model: nn.Module, check_fn: Callable[[nn.Module], bool] | None) -> list[Segment]:
