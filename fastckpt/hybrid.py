@@ -21,8 +21,17 @@ for this segment only: the segment's inputs, the tensors outside the segment and
 (save_on_cpu, say) are untouched, and the hooks of the caller do not see the kept outputs (pass
 store='int8+offload' to move them to host memory).
 
+With `within=[functions]` the ops are looked for only inside calls of those Python-level torch functions,
+and fastckpt keeps and hands back their outputs itself (fastckpt.engine.kept_ops): a function mode watches the
+segment's few Python-level calls instead of a dispatch mode seeing every op, which saves tens of microseconds
+per op in the forward and again in the recomputation; it also keeps in-place random fills (`bernoulli_`,
+the mask CPU dropout draws), which torch's SAC cannot. `keep_attention(store)` is that form for the fused
+attention and dropout's masks: the recomputation reruns projections, norms and the MLP, but neither the
+attention kernel nor a random draw.
+
 Non-reentrant checkpointing only (fastckpt.checkpoint or torch.utils.checkpoint.checkpoint with
-use_reentrant=False), in eager mode; torch 2.14 or later when `store` changes how outputs are kept.
+use_reentrant=False), in eager mode; without `within`, torch 2.14 or later when `store` changes how outputs
+are kept.
 """
 
 from __future__ import annotations
@@ -37,11 +46,12 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from fastckpt.api import CheckpointWrapper, checkpoint
+from fastckpt.engine import kept_ops
 from fastckpt.policies import Policy
 from fastckpt.storage.packer import SegmentStorage
 
 PREFIX = "selective:"  # planner candidates and labels: 'selective:int8' is selective(store='int8')
-# ... and 'selective-attention:int8' is selective(save=attention_ops(), store='int8'): only the fused attention
+# ... and 'selective-attention:int8' is keep_attention(store='int8'): only the fused attention (and dropout's masks)
 # kept, so a recomputation reruns the cheap projections and pointwise ops but not the attention kernel.
 ATTENTION_PREFIX = "selective-attention:"
 
@@ -66,6 +76,17 @@ def attention_ops() -> tuple[torch._ops.OpOverloadPacket, ...]:
     return tuple(getattr(torch.ops.aten, name) for name in _ATTENTION_NAMES if hasattr(torch.ops.aten, name))
 
 
+def keep_attention(store: str | Policy | None = "int8") -> Selective:
+    """A context_fn keeping the fused attention's outputs through `store` and dropout's masks (CPU dropout's
+    `bernoulli_` fills, exact), watched inside `F.scaled_dot_product_attention` and `F.dropout` calls only
+    (`within`): the recomputation reruns everything else, but neither the attention kernel nor a random draw."""
+    return Selective(
+        save=(*attention_ops(), *kept_ops.RANDOM_FILLS),
+        store=store,
+        within=(torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.dropout),
+    )
+
+
 def _sac_honours_hooks() -> bool:
     """True when this torch's SAC can route what it caches through saved-tensor hooks (torch >= 2.14)."""
     return hasattr(torch_checkpoint, "_current_user_saved_tensors_hooks")
@@ -78,11 +99,18 @@ class Selective:
     `create_selective_checkpoint_contexts` does; each call is one segment's storage.
     """
 
-    def __init__(self, save: OpSelection | None = None, store: str | Policy | None = "int8") -> None:
+    def __init__(
+        self, save: OpSelection | None = None, store: str | Policy | None = "int8", within: Iterable[Any] | None = None
+    ) -> None:
         self.store = _storage_policy(store)
+        self.within = _functions(within)
         if save is None:
             save = default_save_ops()
         if callable(save) and not isinstance(save, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+            if self.within is not None:
+                raise TypeError(
+                    "fastckpt.hybrid.selective: with `within`, `save` must be a list of aten ops, not a policy function"
+                )
             self._policy_fn = save
             self.ops: tuple = ()
         else:
@@ -90,11 +118,23 @@ class Selective:
             overloads = frozenset(op for op in self.ops if isinstance(op, torch._ops.OpOverload))
             packets = frozenset(op for op in self.ops if isinstance(op, torch._ops.OpOverloadPacket))
 
-            def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-                chosen = op in overloads or getattr(op, "overloadpacket", None) in packets
-                return CheckpointPolicy.MUST_SAVE if chosen else CheckpointPolicy.PREFER_RECOMPUTE
+            def chosen(op: Any) -> bool:
+                return op in overloads or getattr(op, "overloadpacket", None) in packets
 
+            def policy_fn(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+                return CheckpointPolicy.MUST_SAVE if chosen(op) else CheckpointPolicy.PREFER_RECOMPUTE
+
+            self._chosen = chosen
             self._policy_fn = policy_fn
+        fills = [op for op in self.ops if getattr(op, "overloadpacket", op) in kept_ops.RANDOM_FILLS]
+        if fills and self.within is None:
+            raise ValueError(
+                f"fastckpt.hybrid.selective: `save` holds {fills}, an in-place random fill, which torch's selective "
+                "checkpointing cannot keep; pass `within` (e.g. within=[torch.nn.functional.dropout]) so that "
+                "fastckpt keeps it"
+            )
+        if self.within is not None:
+            return  # fastckpt keeps the outputs itself: torch's SAC is not used
         if not _plain(self.store) and not _sac_honours_hooks():
             raise RuntimeError(
                 f"fastckpt.hybrid.selective: store={str(self.store)!r} needs selective checkpointing to route what it "
@@ -102,7 +142,9 @@ class Selective:
                 "use store='save' to keep the saved outputs in full precision"
             )
 
-    def __call__(self) -> tuple[_SelectiveForward, Any]:
+    def __call__(self) -> tuple[Any, Any]:
+        if self.within is not None:
+            return kept_ops.contexts(SegmentStorage(self.store, label=str(self)), str(self), self.within, self._chosen)
         forward, recompute = create_selective_checkpoint_contexts(self._policy_fn)
         if _plain(self.store):
             return forward, recompute  # torch's SAC as it is
@@ -110,18 +152,24 @@ class Selective:
 
     @property
     def prefix(self) -> str:
-        """How labels and planner candidates name it: 'selective-attention:' for the attention ops alone."""
-        return ATTENTION_PREFIX if self.ops == attention_ops() else PREFIX
+        """How labels and planner candidates name it: 'selective-attention:' for the attention ops alone (and
+        dropout's masks)."""
+        attention, fills = set(attention_ops()), set(kept_ops.RANDOM_FILLS)
+        ops = set(self.ops)
+        return ATTENTION_PREFIX if ops & attention and ops <= attention | fills else PREFIX
 
     def __str__(self) -> str:
         return f"{self.prefix}{self.store}"
 
     def __repr__(self) -> str:
         save = [str(op) for op in self.ops] if self.ops else getattr(self._policy_fn, "__name__", "policy_fn")
-        return f"fastckpt.hybrid.selective(save={save}, store={str(self.store)!r})"
+        within = "" if self.within is None else f", within={sorted(f.__name__ for f in self.within)}"
+        return f"fastckpt.hybrid.selective(save={save}, store={str(self.store)!r}{within})"
 
 
-def selective(save: OpSelection | None = None, store: str | Policy | None = "int8") -> Selective:
+def selective(
+    save: OpSelection | None = None, store: str | Policy | None = "int8", within: Iterable[Any] | None = None
+) -> Selective:
     """A context_fn for fastckpt.checkpoint: keep the outputs of the ops in `save` through `store`, recompute
     every other op in backward.
 
@@ -133,11 +181,16 @@ def selective(save: OpSelection | None = None, store: str | Policy | None = "int
         ('int8', 'fp8', 'int4', 'int2', optionally '+offload'), a fastckpt.Policy with recompute=False
         (for group size, min_tensor_bytes, a per-tensor rule), or 'save'/None to keep them in full precision
         (torch's SAC). Tensors a codec does not store (integer, small, parameters) stay as they are.
+    within: Python-level torch functions (e.g. `torch.nn.functional.scaled_dot_product_attention`,
+        `torch.nn.functional.dropout`) inside whose calls alone `save`'s ops are looked for; fastckpt then keeps
+        their outputs itself, without torch's SAC and its per-op cost, and may keep `torch.ops.aten.bernoulli_`
+        fills (dropout's masks on CPU) too. An op of `save` run outside those calls is recomputed. None: every
+        op of the segment is looked at (torch's SAC).
 
     Use: `fastckpt.checkpoint(fn, *args, context_fn=selective(...), policy=...)` with a recompute policy
     (the default). Non-reentrant only; `respect_saved_tensors_hooks` may be None or True.
     """
-    return Selective(save, store)
+    return Selective(save, store, within)
 
 
 def wrap(module: torch.nn.Module, context_fn: Selective, policy: str | Policy | None = None) -> SelectiveWrapper:
@@ -187,26 +240,27 @@ class Candidate:
 
 def parse_candidate(name: str) -> Candidate | None:
     """A planner candidate 'selective:<spec>' (the default ops) or 'selective-attention:<spec>' (the fused
-    attention only); None for any other string. <spec> is a storage policy ('int8': the kept outputs and the
-    segment's inputs int8, the segment under 'recompute+int8') or a recompute policy with a codec
-    ('recompute:int8+int8': the segment under it, the kept outputs through its codec)."""
+    attention and dropout's masks, `keep_attention`); None for any other string. <spec> is a storage policy
+    ('int8': the kept outputs and the segment's inputs int8, the segment under 'recompute+int8') or a
+    recompute policy with a codec ('recompute:int8+int8': the segment under it, the kept outputs through
+    its codec)."""
     if not isinstance(name, str):
         return None
-    for prefix, ops in ((PREFIX, None), (ATTENTION_PREFIX, attention_ops())):
+    for prefix, build in ((PREFIX, lambda store: Selective(store=store)), (ATTENTION_PREFIX, keep_attention)):
         if name.strip().startswith(prefix):
             text = name.strip()[len(prefix) :].strip()
             if not text:
                 raise ValueError(f"{name!r}: name a storage policy after {prefix!r}, e.g. '{prefix}int8'")
             spec = Policy.parse(text)
             if not spec.recompute:
-                return Candidate(Selective(save=ops, store=spec), dataclasses.replace(spec, recompute=True))
+                return Candidate(build(spec), dataclasses.replace(spec, recompute=True))
             if spec.codec is None:
                 raise ValueError(
                     f"{name!r}: a recompute policy after {prefix!r} needs a codec for the kept outputs, e.g. "
                     f"'{prefix}recompute:int8+int8'"
                 )
             store = dataclasses.replace(spec, recompute=False, recompute_codec=None)
-            return Candidate(Selective(save=ops, store=store), spec)
+            return Candidate(build(store), spec)
     return None
 
 
@@ -234,6 +288,31 @@ def _storage_policy(store: str | Policy | None) -> Policy:
             "call's `policy`)"
         )
     return policy
+
+
+def _functions(within: Iterable[Any] | None) -> frozenset | None:
+    if within is None:
+        return None
+    if isinstance(within, (str, bytes)) or not isinstance(within, Iterable):
+        raise TypeError(
+            "fastckpt.hybrid.selective: `within` must be a list of torch functions (e.g. "
+            f"[torch.nn.functional.scaled_dot_product_attention]) or None, got {type(within).__name__}"
+        )
+    functions = frozenset(within)
+    wrong = [f for f in functions if not callable(f) or isinstance(f, torch._ops.OpOverloadPacket)]
+    if wrong:
+        raise TypeError(
+            f"fastckpt.hybrid.selective: `within` holds {wrong!r}; name Python-level torch functions such as "
+            "torch.nn.functional.scaled_dot_product_attention (the aten ops go in `save`)"
+        )
+    if not functions:
+        raise ValueError("fastckpt.hybrid.selective: `within` is empty (None looks at every op)")
+    if not kept_ops.supported():
+        raise RuntimeError(
+            f"fastckpt.hybrid.selective: `within` needs torch.overrides.redispatch_function, which torch "
+            f"{torch.__version__} lacks; pass within=None (torch's selective checkpointing)"
+        )
+    return functions
 
 
 def _op_list(save: Iterable[Any]) -> tuple:

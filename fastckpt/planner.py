@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from fastckpt import hybrid, tiling
 from fastckpt.api import CheckpointWrapper, wrap
+from fastckpt.engine import kept_ops
 from fastckpt.memory import MemoryTrace
 from fastckpt.policies import Policy
 from fastckpt.storage.accounting import track
@@ -72,10 +73,11 @@ _SLICED = ("int8", "recompute", "recompute+int8", "recompute:int8+int8")
 
 
 def extended_candidates(batch_slices: Iterable[int] = ()) -> list[str]:
-    """DEFAULT_CANDIDATES, the fused attention kept int8 instead of recomputed ('selective-attention:...',
-    where this torch can store what selective checkpointing saves), and for each N in `batch_slices` the
-    segment on its batch in N slices ('batch<N>:...': only for segments that treat every sample alone)."""
-    attention = _ATTENTION_CANDIDATES if hybrid._sac_honours_hooks() else ()
+    """DEFAULT_CANDIDATES, the fused attention (and dropout's masks) kept instead of recomputed
+    ('selective-attention:...', hybrid.keep_attention, where this torch can watch the calls), and for each N
+    in `batch_slices` the segment on its batch in N slices ('batch<N>:...': only for segments that treat
+    every sample alone)."""
+    attention = _ATTENTION_CANDIDATES if kept_ops.supported() else ()
     names = [*DEFAULT_CANDIDATES, *attention]
     for count in batch_slices:
         if not (isinstance(count, int) and not isinstance(count, bool) and count >= 2):
@@ -307,27 +309,26 @@ def plan(
 ) -> Plan:
     """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
 
-    `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate
-    above what is live before it, or "N%" of stock checkpointing's peak; the segments are the submodules
-    `check_fn` selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical
-    blocks); `candidates` are policy strings, 'none', 'selective:<spec>' (fastckpt.hybrid.selective: the
-    outputs of matmuls and attention kept through <spec>'s codec, the rest recomputed, the inputs stored
-    as <spec> says: 'selective:int8', 'selective:recompute:int8+int8'), 'selective-attention:<spec>' (the
-    same keeping only the fused attention's outputs) or 'batch<N>:<policy or selective candidate>'
-    (fastckpt.tiled(segment, N, dim=0, ...): the segment's batch in N slices, each checkpointed, so its
-    backward holds one slice's activations; for segments that treat every sample alone, which the planner
+    `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate above
+    what is live before it, or "N%" of stock checkpointing's peak; the segments are the submodules `check_fn`
+    selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical blocks); `candidates`
+    are policy strings, 'none', 'selective:<spec>' (fastckpt.hybrid.selective: the outputs of matmuls and
+    attention kept through <spec>'s codec, the rest recomputed, the inputs stored as <spec> says:
+    'selective:int8', 'selective:recompute:int8+int8'), 'selective-attention:<spec>' (the same keeping only the
+    fused attention's outputs and dropout's masks, hybrid.keep_attention) or 'batch<N>:<policy or selective
+    candidate>' (fastckpt.tiled(segment, N, dim=0, ...): the segment's batch in N slices, each checkpointed, so
+    its backward holds one slice's activations; for segments that treat every sample alone, which the planner
     checks: batch candidates are left out, with a warning, when changing the other samples moves a slice's
-    output) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on CPU 'selective:int8'
-    measured slower and larger than 'int8' and attention-only pays off where attention dominates, and batch
-    slices; `extended_candidates` adds both). A candidate whose step raises on the model is left out with a
-    warning. `max_error`, when given, leaves out the candidates whose gradient error exceeds it: the
-    largest relative L2 error of a parameter's gradient against no checkpointing (a batch slice: against
-    the same slices kept exactly, which draw random ops in the same order), measured with every segment
-    under the candidate and the same RNG seed (a bound per candidate; a mix of candidates within it
-    measured within it too in our runs, but that is not guaranteed). Runs step() 2 + len(candidates) *
-    (1 + repeats) times, plus 1 + len(candidates) with max_error; batch candidates add one step (the sample
-    check) and, with max_error, one per slice count (their reference). ValueError if no assignment fits,
-    naming the smallest budget.
+    output) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on CPU 'selective:int8' measured
+    slower and larger than 'int8' and attention-only pays off where attention dominates, and batch slices;
+    `extended_candidates` adds both). A candidate whose step raises on the model is left out with a warning.
+    `max_error`, when given, leaves out the candidates whose gradient error exceeds it: the largest relative L2
+    error of a parameter's gradient against no checkpointing (a batch slice: against the same slices kept
+    exactly, which draw random ops in the same order), measured with every segment under the candidate and the
+    same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs, but
+    that is not guaranteed). Runs step() 2 + len(candidates) * (1 + repeats) times, plus 1 + len(candidates)
+    with max_error; batch candidates add one step (the sample check) and, with max_error, one per slice count
+    (their reference). ValueError if no assignment fits, naming the smallest budget.
     """
     _check_budget(budget)
     return measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error).plan(budget)

@@ -224,13 +224,75 @@ def test_attention_only_keeps_the_attention_kernel_out_of_the_recomputation():
     assert 0 < _rel(ours, plain) <= 1e-2
 
 
+def test_keep_attention_is_exact_and_recomputes_no_kernel_and_draws_nothing(blocks):
+    model, x, plain = blocks  # attention and residual dropout 0.1: CPU dropout draws its masks with bernoulli_
+    ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=hybrid.keep_attention("save")))
+    assert all(torch.equal(g, r) for g, r in zip(ours, plain, strict=True))  # the same masks, taken back
+
+    x_in = x.clone().requires_grad_(True)
+    with fastckpt.track() as report:
+        out = fastckpt.checkpoint(model[0], x_in, context_fn=hybrid.keep_attention("int8"))
+    with OpCounter() as counter:
+        out.pow(2).mean().backward()
+    assert counter.counts[aten.bernoulli_] == 0 and counter.counts[aten.addmm] > 0  # no draw; projections rerun
+    (kept,) = [s for s in report.segments if s.policy == "selective-attention:int8"]
+    # Attention dropout sends SDPA down its math path (no fused kernel to keep): only the masks, 1 bit each.
+    assert kept.codecs == {"mask"} and kept.tensors == 3
+    out = fastckpt.checkpoint(model[0], x_in)
+    with OpCounter() as counter:
+        out.pow(2).mean().backward()
+    assert counter.counts[aten.bernoulli_] == 3  # stock recomputation draws the three masks again
+
+
+def test_keep_attention_finds_the_fused_kernel_called_directly_and_inside_multihead_attention():
+    torch.manual_seed(0)
+    block = TransformerBlock(dim=64, heads=4, dropout=0.0)  # no dropout: the fused kernel runs
+    q = torch.randn(2, 4, 128, 16, requires_grad=True)
+    sdpa = aten._scaled_dot_product_flash_attention_for_cpu
+    for run, x in ((block, torch.randn(2, 128, 64, requires_grad=True)),
+                   (lambda t: torch.nn.functional.scaled_dot_product_attention(t.sin(), t, t), q)):  # fmt: skip
+        with fastckpt.track() as report:
+            out = fastckpt.checkpoint(run, x, context_fn=hybrid.keep_attention("int8"))
+        with OpCounter() as counter:
+            out.pow(2).mean().backward()
+        assert counter.counts[sdpa] == 0 and counter.counts[aten.sin] + counter.counts[aten.addmm] > 0
+        (kept,) = [s for s in report.segments if s.policy == "selective-attention:int8"]
+        assert kept.codecs == {"int8"} and kept.raw_elements >= 2 * 128 * 64  # output and logsumexp
+        with torch.no_grad():
+            torch.testing.assert_close(out, run(x))
+
+
+def test_within_refuses_a_recomputation_that_differs_or_a_second_backward():
+    state = {"second": False}
+
+    def fn(x):
+        x = torch.nn.functional.dropout(x, 0.5)
+        return torch.nn.functional.dropout(x, 0.5) if state["second"] else x
+
+    context_fn = hybrid.selective([aten.bernoulli_], store="save", within=[torch.nn.functional.dropout])
+    x = torch.randn(64, 64, requires_grad=True)
+    out = fastckpt.checkpoint(fn, x, context_fn=context_fn, early_stop=False)  # else it stops before the extra call
+    state["second"] = True
+    with pytest.raises(torch_checkpoint.CheckpointError, match="ran aten.bernoulli_.* more often than the forward"):
+        out.sum().backward()
+    state["second"] = False
+    out = fastckpt.checkpoint(fn, x, context_fn=context_fn)
+    out.sum().backward(retain_graph=True)
+    with pytest.raises(torch_checkpoint.CheckpointError, match="already used by an earlier backward"):
+        out.sum().backward()
+
+
 @pytest.mark.cuda
-def test_attention_only_on_cuda_reruns_no_attention_kernel():
+@pytest.mark.parametrize("form", ["torch SAC", "within"])
+def test_attention_only_on_cuda_reruns_no_attention_kernel(form):
     torch.manual_seed(0)
     block = TransformerBlock(dim=64, heads=4, dropout=0.0).cuda()  # no dropout: a fused kernel runs
     x = torch.randn(2, 128, 64, device="cuda", requires_grad=True)
-    store = "int8" if hybrid._sac_honours_hooks() else "save"  # older torch: torch's SAC, kept as it is
-    out = fastckpt.checkpoint(block, x, context_fn=hybrid.selective(save=hybrid.attention_ops(), store=store))
+    store = "int8" if hybrid._sac_honours_hooks() or form == "within" else "save"  # older torch: SAC as it is
+    context_fn = (
+        hybrid.keep_attention(store) if form == "within" else hybrid.selective(save=hybrid.attention_ops(), store=store)
+    )
+    out = fastckpt.checkpoint(block, x, context_fn=context_fn)
     with OpCounter() as counter:
         out.pow(2).mean().backward()
     assert not any(counter.counts[op] for op in hybrid.attention_ops())  # kept, not recomputed
@@ -241,7 +303,9 @@ def test_attention_only_on_cuda_reruns_no_attention_kernel():
 def test_parse_candidate():
     assert str(hybrid.parse_candidate("selective:int4")) == "selective:int4"
     attention = hybrid.parse_candidate("selective-attention:int8")
-    assert str(attention) == "selective-attention:int8" and attention.selective.ops == hybrid.attention_ops()
+    assert str(attention) == "selective-attention:int8"
+    assert attention.selective.ops == (*hybrid.attention_ops(), aten.bernoulli_)  # hybrid.keep_attention
+    assert attention.selective.within == {torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.dropout}
     assert str(attention.policy) == "recompute+int8" and str(attention.selective.store) == "int8"
     assert str(hybrid.parse_candidate(" selective-attention: recompute+int8 ")) == "selective-attention:int8"
     compressed = hybrid.parse_candidate("selective-attention:recompute:int8+int8")
@@ -263,6 +327,11 @@ def test_parse_candidate():
         (lambda: hybrid.selective(["mm"]), TypeError, "`save` holds \\['mm'\\]"),
         (lambda: hybrid.selective(aten.mm.default.name()), TypeError, "`save` must be a list"),
         (lambda: hybrid.selective([]), ValueError, "`save` is empty"),
+        (lambda: hybrid.selective([aten.bernoulli_]), ValueError, "in-place random fill.*pass `within`"),
+        (lambda: hybrid.selective(within="dropout"), TypeError, "`within` must be a list of torch functions"),
+        (lambda: hybrid.selective(within=[aten.mm]), TypeError, "`within` holds .*aten ops go in `save`"),
+        (lambda: hybrid.selective(within=[]), ValueError, "`within` is empty"),
+        (lambda: hybrid.selective(lambda *a: True, within=[torch.relu]), TypeError, "not a policy function"),
         (lambda: hybrid.wrap(nn.Linear(2, 2), lambda: None), TypeError, "`context_fn` must be"),
         (lambda: hybrid.wrap(nn.Linear(2, 2), hybrid.selective(), policy="int8"), ValueError, "needs a recompute"),
     ],

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import hybrid, tiling
+from fastckpt import tiling
+from fastckpt.engine import kept_ops
 from fastckpt.memory import peak_bytes
 
 
@@ -236,7 +237,7 @@ def test_bad_batch_candidates_are_named(name, named):
         tiling.parse_candidate(name)
 
 
-@pytest.mark.skipif(not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14")
+@pytest.mark.skipif(not kept_ops.supported(), reason="watching calls needs torch.overrides.redispatch_function")
 def test_batch_slices_with_a_selective_candidate():
     candidate = tiling.parse_candidate("batch2:selective-attention:int8")
     assert str(candidate.inner.policy) == "recompute+int8"

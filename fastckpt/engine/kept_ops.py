@@ -1,0 +1,157 @@
+"""Keep chosen ops' outputs from the forward and hand them back to the recomputation, watching only the calls
+of a few Python-level torch functions (the engine of `fastckpt.hybrid.selective(..., within=...)`).
+
+torch's selective checkpointing sees every op of a segment through a Python dispatch mode, which costs tens of
+microseconds per op on CPU, in the forward and again in the recomputation. When the ops worth keeping run
+inside known functions (the fused attention kernel inside `F.scaled_dot_product_attention`, dropout's mask draw
+inside `F.dropout`), a function mode watches the segment's Python-level torch calls instead (a few per layer)
+and the dispatch mode is active only inside the watched calls. Functions of `torch.nn.functional` are entered
+too, so a watched call made inside one (nn.MultiheadAttention's attention, inside
+`F.multi_head_attention_forward`) is found.
+
+Forward: each kept op runs and its outputs go through a fastckpt storage; an in-place `bernoulli_` fill
+(the mask CPU dropout draws) is kept as its 0/1 values, 1 bit per element under a codec. Recomputation: the
+watched calls take the kept outputs in forward order instead of running the op (a kept `bernoulli_` fill is
+written back into its tensor: the same mask, no random draw), and each is dropped once taken.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
+from torch.utils.checkpoint import CheckpointError
+
+from fastckpt.storage.packer import SegmentStorage, _Stored
+
+# In-place random fills the recomputation can take back: they only write 0/1 values into their first argument.
+RANDOM_FILLS = (torch.ops.aten.bernoulli_,)
+_CONSUMED = object()  # an entry the recomputation already took
+
+# How to re-enter a function mode around a Python-level torch function (so calls inside it are seen too).
+_redispatch = getattr(torch.overrides, "redispatch_function", None)
+if _redispatch is None and hasattr(torch._C, "_skip_one_hop_torch_function"):
+    _redispatch = torch._C._skip_one_hop_torch_function
+
+
+def supported() -> bool:
+    """True when this torch can watch calls nested in torch.nn.functional (needed by `within=`)."""
+    return _redispatch is not None
+
+
+class KeptOutputs:
+    """What one checkpointed call kept, shared by its forward and recompute contexts."""
+
+    def __init__(self, storage: SegmentStorage, label: str) -> None:
+        self.storage = storage
+        self.label = label
+        self.entries: list[tuple[Any, Any]] = []  # (op, stored outputs), in forward order
+        self.taken = 0
+
+    def put(self, func: torch._ops.OpOverload, args: tuple, out: Any) -> None:
+        if func.overloadpacket in RANDOM_FILLS:
+            # The fill holds only 0 and 1: kept as a bool tensor (1 bit each under a codec) it is exact.
+            self.entries.append((func, self.storage.pack(args[0].detach().bool())))
+            return
+        if any(r.alias_info is not None for r in func._schema.returns):
+            raise ValueError(
+                f"fastckpt.hybrid.selective ({self.label}): {func} returns a view of or writes into its inputs; "
+                "only ops that return new tensors can be kept (and in-place random fills such as bernoulli_)"
+            )
+        self.entries.append((func, tree_map(lambda x: self._pack(x), out)))
+
+    def _pack(self, x: Any) -> Any:
+        return self.storage.pack(x) if isinstance(x, torch.Tensor) else x
+
+    def take(self, func: torch._ops.OpOverload, args: tuple) -> Any:
+        index = self.taken
+        self.taken += 1
+        if index >= len(self.entries):
+            raise CheckpointError(
+                f"fastckpt.hybrid.selective ({self.label}): the recomputation ran {func} more often than the forward "
+                "did; the segment must run the same ops in the same order both times"
+            )
+        kept_func, stored = self.entries[index]
+        if stored is _CONSUMED:
+            raise CheckpointError(
+                f"fastckpt.hybrid.selective ({self.label}): this segment's kept outputs were already used by an "
+                "earlier backward; each is kept for one backward (as with torch's selective checkpointing)"
+            )
+        if kept_func != func:
+            raise CheckpointError(
+                f"fastckpt.hybrid.selective ({self.label}): the recomputation ran {func} where the forward ran "
+                f"{kept_func}; the segment must run the same ops in the same order both times"
+            )
+        self.entries[index] = (kept_func, _CONSUMED)  # dropped once taken
+        if func.overloadpacket in RANDOM_FILLS:
+            return args[0].copy_(self.storage.unpack(stored))
+        return tree_map(lambda x: self.storage.unpack(x) if isinstance(x, _Stored) else x, stored)
+
+
+class _KeepInside(TorchDispatchMode):
+    """Active inside the watched calls: keeps (forward) or hands back (recomputation) the chosen ops' outputs."""
+
+    def __init__(self, kept: KeptOutputs, is_kept: Callable[[Any], bool], recompute: bool) -> None:
+        super().__init__()
+        self.kept = kept
+        self.is_kept = is_kept
+        self.recompute = recompute
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if not self.is_kept(func):
+            return func(*args, **kwargs)
+        if self.recompute:
+            return self.kept.take(func, args)
+        out = func(*args, **kwargs)
+        self.kept.put(func, args, out)
+        return out
+
+
+class _WatchCalls(TorchFunctionMode):
+    """Active over the whole segment: runs the watched functions' calls under `inside`."""
+
+    def __init__(self, functions: frozenset, inside: _KeepInside) -> None:
+        super().__init__()
+        self.functions = functions
+        self.inside = inside
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self.functions:
+            with self.inside:
+                return func(*args, **kwargs)
+        if getattr(func, "__module__", None) == "torch.nn.functional":  # Python code that may call a watched one
+            with self:
+                return _redispatch(func, types, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _Context:
+    """The forward or the recompute context of one checkpointed call."""
+
+    def __init__(self, kept: KeptOutputs, functions: frozenset, is_kept: Callable[[Any], bool], recompute: bool):
+        self.kept = kept
+        self.recompute = recompute
+        self._mode = _WatchCalls(functions, _KeepInside(kept, is_kept, recompute))
+
+    def __enter__(self) -> _Context:
+        if self.recompute:
+            self.kept.taken = 0
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self._mode.__exit__(*exc)
+
+
+def contexts(
+    storage: SegmentStorage, label: str, functions: frozenset, is_kept: Callable[[Any], bool]
+) -> tuple[_Context, _Context]:
+    """(forward context, recompute context) for one checkpointed call, as a checkpoint's context_fn returns."""
+    kept = KeptOutputs(storage, label)
+    return _Context(kept, functions, is_kept, False), _Context(kept, functions, is_kept, True)
