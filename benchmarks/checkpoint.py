@@ -34,6 +34,7 @@ from benchmarks import report
 from benchmarks.harness import error_line, median_times, peak_bytes, synchronize, write_csv
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, copy_model, transformers_missing, workloads
 from fastckpt import hybrid
+from fastckpt.engine import kept_ops
 from fastckpt.planner import max_relative_error as max_rel_l2  # one measure for the planner and the tables
 
 STOCK = "torch non-reentrant"
@@ -86,6 +87,15 @@ def _fastckpt_selective(store: str) -> Config | Skipped:
     return Config(f"fastckpt {context_fn}", functools.partial(fastckpt.checkpoint, context_fn=context_fn))
 
 
+def _fastckpt_keep_attention(store: str) -> Config | Skipped:
+    """fastckpt.hybrid.keep_attention: the fused attention's outputs kept through `store` and dropout's masks
+    kept (watched inside those calls only), the rest recomputed; the inputs kept plain, as stock."""
+    name = f"fastckpt keep_attention:{store}"
+    if not kept_ops.supported():
+        return Skipped(name, f"torch {torch.__version__} lacks torch.overrides.redispatch_function")
+    return Config(name, functools.partial(fastckpt.checkpoint, context_fn=hybrid.keep_attention(store)))
+
+
 def _selective_ops() -> list:
     """What torch SAC saves here: the outputs of matmuls, convolutions and fused attention (the same ops as
     fastckpt.hybrid.selective's default)."""
@@ -135,6 +145,7 @@ def configs(device: torch.device, workload: Workload | None = None) -> list[Conf
         policies += ["offload", "int4+offload", "recompute+offload"]
     rows += [_fastckpt(p) for p in policies]
     rows.append(_fastckpt_selective("int8"))
+    rows.append(_fastckpt_keep_attention("int8"))
     for provider in EXTRA_ROWS:
         rows += provider(workload, device)
     return rows
