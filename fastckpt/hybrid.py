@@ -163,7 +163,8 @@ class Selective:
 
     def __repr__(self) -> str:
         save = [str(op) for op in self.ops] if self.ops else getattr(self._policy_fn, "__name__", "policy_fn")
-        within = "" if self.within is None else f", within={sorted(f.__name__ for f in self.within)}"
+        names = sorted(getattr(f, "__name__", repr(f)) for f in self.within or ())
+        within = "" if self.within is None else f", within={names}"
         return f"fastckpt.hybrid.selective(save={save}, store={str(self.store)!r}{within})"
 
 
@@ -299,7 +300,8 @@ def _functions(within: Iterable[Any] | None) -> frozenset | None:
             f"[torch.nn.functional.scaled_dot_product_attention]) or None, got {type(within).__name__}"
         )
     functions = frozenset(within)
-    wrong = [f for f in functions if not callable(f) or isinstance(f, torch._ops.OpOverloadPacket)]
+    aten_ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+    wrong = [f for f in functions if not callable(f) or isinstance(f, aten_ops)]
     if wrong:
         raise TypeError(
             f"fastckpt.hybrid.selective: `within` holds {wrong!r}; name Python-level torch functions such as "

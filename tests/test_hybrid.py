@@ -306,6 +306,7 @@ def test_parse_candidate():
     assert str(attention) == "selective-attention:int8"
     assert attention.selective.ops == (*hybrid.attention_ops(), aten.bernoulli_)  # hybrid.keep_attention
     assert attention.selective.within == {torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.dropout}
+    assert repr(attention.selective).endswith("store='int8', within=['dropout', 'scaled_dot_product_attention'])")
     assert str(attention.policy) == "recompute+int8" and str(attention.selective.store) == "int8"
     assert str(hybrid.parse_candidate(" selective-attention: recompute+int8 ")) == "selective-attention:int8"
     compressed = hybrid.parse_candidate("selective-attention:recompute:int8+int8")
@@ -330,6 +331,7 @@ def test_parse_candidate():
         (lambda: hybrid.selective([aten.bernoulli_]), ValueError, "in-place random fill.*pass `within`"),
         (lambda: hybrid.selective(within="dropout"), TypeError, "`within` must be a list of torch functions"),
         (lambda: hybrid.selective(within=[aten.mm]), TypeError, "`within` holds .*aten ops go in `save`"),
+        (lambda: hybrid.selective(within=[aten.mm.default]), TypeError, "`within` holds .*aten ops go in `save`"),
         (lambda: hybrid.selective(within=[]), ValueError, "`within` is empty"),
         (lambda: hybrid.selective(lambda *a: True, within=[torch.relu]), TypeError, "not a policy function"),
         (lambda: hybrid.wrap(nn.Linear(2, 2), lambda: None), TypeError, "`context_fn` must be"),
