@@ -168,8 +168,8 @@ def test_failures_are_printed_rows_written_then_exit(capsys, tmp_path):
 def test_deepspeed_missing_is_a_skipped_row(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # `from deepspeed import ...` raises ImportError
     rows = configs(CPU)
-    (skipped,) = [r for r in rows if isinstance(r, Skipped)]
-    assert skipped.name == "deepspeed" and "not importable" in skipped.reason
+    (skipped,) = [r for r in rows if isinstance(r, Skipped) and r.name == "deepspeed"]  # (older torch skips more)
+    assert "not importable" in skipped.reason
     assert "deepspeed" not in [r.name for r in rows if isinstance(r, Config)]
 
 

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import fastckpt
 from fastckpt import hybrid
+from fastckpt.engine import kept_ops
 from fastckpt.memory import peak_bytes
 from tests.models import TransformerBlock
 
@@ -20,6 +21,7 @@ aten = torch.ops.aten
 needs_hooks = pytest.mark.skipif(
     not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14"
 )
+needs_watch = pytest.mark.skipif(not kept_ops.supported(), reason="`within` needs torch.overrides.redispatch_function")
 
 
 class OpCounter(TorchDispatchMode):
@@ -224,6 +226,7 @@ def test_attention_only_keeps_the_attention_kernel_out_of_the_recomputation():
     assert 0 < _rel(ours, plain) <= 1e-2
 
 
+@needs_watch
 def test_keep_attention_is_exact_and_recomputes_no_kernel_and_draws_nothing(blocks):
     model, x, plain = blocks  # attention and residual dropout 0.1: CPU dropout draws its masks with bernoulli_
     ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=hybrid.keep_attention("save")))
@@ -244,6 +247,7 @@ def test_keep_attention_is_exact_and_recomputes_no_kernel_and_draws_nothing(bloc
     assert counter.counts[aten.bernoulli_] == 3  # stock recomputation draws the three masks again
 
 
+@needs_watch
 def test_keep_attention_finds_the_fused_kernel_called_directly_and_inside_multihead_attention():
     torch.manual_seed(0)
     block = TransformerBlock(dim=64, heads=4, dropout=0.0)  # no dropout: the fused kernel runs
@@ -262,6 +266,7 @@ def test_keep_attention_finds_the_fused_kernel_called_directly_and_inside_multih
             torch.testing.assert_close(out, run(x))
 
 
+@needs_watch
 def test_within_refuses_a_recomputation_that_differs_or_a_second_backward():
     state = {"second": False}
 
@@ -283,7 +288,7 @@ def test_within_refuses_a_recomputation_that_differs_or_a_second_backward():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("form", ["torch SAC", "within"])
+@pytest.mark.parametrize("form", ["torch SAC", pytest.param("within", marks=needs_watch)])
 def test_attention_only_on_cuda_reruns_no_attention_kernel(form):
     torch.manual_seed(0)
     block = TransformerBlock(dim=64, heads=4, dropout=0.0).cuda()  # no dropout: a fused kernel runs
@@ -300,6 +305,7 @@ def test_attention_only_on_cuda_reruns_no_attention_kernel(form):
     torch.testing.assert_close(out, block(x.detach()), rtol=1e-6, atol=1e-6)
 
 
+@needs_watch
 def test_parse_candidate():
     assert str(hybrid.parse_candidate("selective:int4")) == "selective:int4"
     attention = hybrid.parse_candidate("selective-attention:int8")
