@@ -34,7 +34,6 @@ from benchmarks import report
 from benchmarks.harness import error_line, median_times, peak_bytes, synchronize, write_csv
 from benchmarks.workloads import WORKLOAD_NAMES, Workload, copy_model, transformers_missing, workloads
 from fastckpt import hybrid
-from fastckpt.engine import kept_ops
 from fastckpt.planner import max_relative_error as max_rel_l2  # one measure for the planner and the tables
 
 STOCK = "torch non-reentrant"
@@ -87,13 +86,11 @@ def _fastckpt_selective(store: str) -> Config | Skipped:
     return Config(f"fastckpt {context_fn}", functools.partial(fastckpt.checkpoint, context_fn=context_fn))
 
 
-def _fastckpt_keep_attention(store: str) -> Config | Skipped:
+def _fastckpt_keep_attention(store: str) -> Config:
     """fastckpt.hybrid.keep_attention: the fused attention's outputs kept through `store` and dropout's masks
     kept (watched inside those calls only), the rest recomputed; the inputs kept plain, as stock."""
-    name = f"fastckpt keep_attention:{store}"
-    if not kept_ops.supported():
-        return Skipped(name, f"torch {torch.__version__} lacks torch.overrides.redispatch_function")
-    return Config(name, functools.partial(fastckpt.checkpoint, context_fn=hybrid.keep_attention(store)))
+    context_fn = hybrid.keep_attention(store)
+    return Config(f"fastckpt keep_attention:{store}", functools.partial(fastckpt.checkpoint, context_fn=context_fn))
 
 
 def _selective_ops() -> list:

@@ -133,13 +133,8 @@ class Selective:
                 "checkpointing cannot keep; pass `within` (e.g. within=[torch.nn.functional.dropout]) so that "
                 "fastckpt keeps it"
             )
-        if self.within is not None:  # fastckpt keeps the outputs itself: torch's SAC is not used
-            if not kept_ops.supported():
-                raise RuntimeError(
-                    "fastckpt.hybrid.selective: `within` needs torch.overrides.redispatch_function, which torch "
-                    f"{torch.__version__} lacks; pass within=None (torch's selective checkpointing)"
-                )
-            return
+        if self.within is not None:
+            return  # fastckpt keeps the outputs itself: torch's SAC is not used
         if not _plain(self.store) and not _sac_honours_hooks():
             raise RuntimeError(
                 f"fastckpt.hybrid.selective: store={str(self.store)!r} needs selective checkpointing to route what it "

@@ -57,7 +57,6 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 from fastckpt import hybrid, tiling
 from fastckpt.api import CheckpointWrapper, wrap
-from fastckpt.engine import kept_ops
 from fastckpt.memory import MemoryTrace
 from fastckpt.policies import Policy
 from fastckpt.storage.accounting import track
@@ -74,10 +73,10 @@ _SLICED = ("int8", "recompute", "recompute+int8", "recompute:int8+int8")
 
 def extended_candidates(batch_slices: Iterable[int] = ()) -> list[str]:
     """DEFAULT_CANDIDATES, the fused attention (and dropout's masks) kept instead of recomputed
-    ('selective-attention:...', hybrid.keep_attention, where this torch can watch the calls), and for each N
+    ('selective-attention:...', hybrid.keep_attention), and for each N
     in `batch_slices` the segment on its batch in N slices ('batch<N>:...': only for segments that treat
     every sample alone)."""
-    attention = _ATTENTION_CANDIDATES if kept_ops.supported() else ()
+    attention = _ATTENTION_CANDIDATES
     names = [*DEFAULT_CANDIDATES, *attention]
     for count in batch_slices:
         if not (isinstance(count, int) and not isinstance(count, bool) and count >= 2):

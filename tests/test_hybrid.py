@@ -21,7 +21,6 @@ aten = torch.ops.aten
 needs_hooks = pytest.mark.skipif(
     not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14"
 )
-needs_watch = pytest.mark.skipif(not kept_ops.supported(), reason="`within` needs torch.overrides.redispatch_function")
 
 
 class OpCounter(TorchDispatchMode):
@@ -226,7 +225,6 @@ def test_attention_only_keeps_the_attention_kernel_out_of_the_recomputation():
     assert 0 < _rel(ours, plain) <= 1e-2
 
 
-@needs_watch
 def test_keep_attention_is_exact_and_recomputes_no_kernel_and_draws_nothing(blocks):
     model, x, plain = blocks  # attention and residual dropout 0.1: CPU dropout draws its masks with bernoulli_
     ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=hybrid.keep_attention("save")))
@@ -247,7 +245,6 @@ def test_keep_attention_is_exact_and_recomputes_no_kernel_and_draws_nothing(bloc
     assert counter.counts[aten.bernoulli_] == 3  # stock recomputation draws the three masks again
 
 
-@needs_watch
 def test_keep_attention_finds_the_fused_kernel_called_directly_and_inside_multihead_attention():
     torch.manual_seed(0)
     block = TransformerBlock(dim=64, heads=4, dropout=0.0)  # no dropout: the fused kernel runs
@@ -266,7 +263,20 @@ def test_keep_attention_finds_the_fused_kernel_called_directly_and_inside_multih
             torch.testing.assert_close(out, run(x))
 
 
-@needs_watch
+def test_keep_attention_without_redispatch_runs_functional_code_whole_under_the_op_watch(blocks, monkeypatch):
+    # A torch that cannot re-enter a function mode (no torch.overrides.redispatch_function): functions of
+    # torch.nn.functional run whole under the dispatch mode, so nn.MultiheadAttention's inner SDPA is still kept.
+    monkeypatch.setattr(kept_ops, "_redispatch", None)
+    model, x, plain = blocks
+    ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=hybrid.keep_attention("save")))
+    assert all(torch.equal(g, r) for g, r in zip(ours, plain, strict=True))
+    block = TransformerBlock(dim=64, heads=4, dropout=0.0)
+    out = fastckpt.checkpoint(block, torch.randn(2, 128, 64, requires_grad=True), context_fn=hybrid.keep_attention())
+    with OpCounter() as counter:
+        out.pow(2).mean().backward()
+    assert counter.counts[aten._scaled_dot_product_flash_attention_for_cpu] == 0 and counter.counts[aten.addmm] > 0
+
+
 def test_within_refuses_a_recomputation_that_differs_or_a_second_backward():
     state = {"second": False}
 
@@ -288,7 +298,7 @@ def test_within_refuses_a_recomputation_that_differs_or_a_second_backward():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("form", ["torch SAC", pytest.param("within", marks=needs_watch)])
+@pytest.mark.parametrize("form", ["torch SAC", "within"])
 def test_attention_only_on_cuda_reruns_no_attention_kernel(form):
     torch.manual_seed(0)
     block = TransformerBlock(dim=64, heads=4, dropout=0.0).cuda()  # no dropout: a fused kernel runs
@@ -305,7 +315,6 @@ def test_attention_only_on_cuda_reruns_no_attention_kernel(form):
     torch.testing.assert_close(out, block(x.detach()), rtol=1e-6, atol=1e-6)
 
 
-@needs_watch
 def test_parse_candidate():
     assert str(hybrid.parse_candidate("selective:int4")) == "selective:int4"
     attention = hybrid.parse_candidate("selective-attention:int8")

@@ -5,7 +5,6 @@ import torch
 
 import fastckpt
 from fastckpt import tiling
-from fastckpt.engine import kept_ops
 from fastckpt.memory import peak_bytes
 
 
@@ -215,11 +214,7 @@ def test_an_unsplit_input_that_carries_the_split_dimension_is_an_error():
         ("batch2:recompute+int8", "batch2:recompute+int8"),
         (" batch4 : recompute ", "batch4:recompute"),
         ("batch2:recompute:int8+int8", "batch2:recompute:int8+int8"),
-        pytest.param(
-            "batch2:selective-attention:int8",
-            "batch2:selective-attention:int8",
-            marks=pytest.mark.skipif(not kept_ops.supported(), reason="needs torch.overrides.redispatch_function"),
-        ),
+        ("batch2:selective-attention:int8", "batch2:selective-attention:int8"),
         ("batch2:int8", "batch2:int8"),
         ("recompute:int8", None),
         ("int8", None),
@@ -241,7 +236,6 @@ def test_bad_batch_candidates_are_named(name, named):
         tiling.parse_candidate(name)
 
 
-@pytest.mark.skipif(not kept_ops.supported(), reason="watching calls needs torch.overrides.redispatch_function")
 def test_batch_slices_with_a_selective_candidate():
     candidate = tiling.parse_candidate("batch2:selective-attention:int8")
     assert str(candidate.inner.policy) == "recompute+int8"

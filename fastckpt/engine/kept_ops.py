@@ -33,14 +33,10 @@ RANDOM_FILLS = (torch.ops.aten.bernoulli_,)
 _CONSUMED = object()  # an entry the recomputation already took
 
 # How to re-enter a function mode around a Python-level torch function (so calls inside it are seen too).
+# A torch without it runs such functions whole under the dispatch mode instead: the same ops kept, more cost.
 _redispatch = getattr(torch.overrides, "redispatch_function", None)
 if _redispatch is None and hasattr(torch._C, "_skip_one_hop_torch_function"):
     _redispatch = torch._C._skip_one_hop_torch_function
-
-
-def supported() -> bool:
-    """True when this torch can watch calls nested in torch.nn.functional (needed by `within=`)."""
-    return _redispatch is not None
 
 
 class KeptOutputs:
@@ -126,6 +122,9 @@ class _WatchCalls(TorchFunctionMode):
             with self.inside:
                 return func(*args, **kwargs)
         if getattr(func, "__module__", None) == "torch.nn.functional":  # Python code that may call a watched one
+            if _redispatch is None:
+                with self.inside:
+                    return func(*args, **kwargs)
             with self:
                 return _redispatch(func, types, args, kwargs)
         return func(*args, **kwargs)

@@ -10,7 +10,6 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import fastckpt  # noqa: E402
-from fastckpt.engine import kept_ops  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
 from fastckpt.planner import measure  # noqa: E402
 
@@ -250,8 +249,7 @@ def test_planner_with_batch_slices_and_attention_kept():
         model(input_ids=ids, labels=ids).loss.backward()
         model.zero_grad(set_to_none=True)
 
-    # the attention kept (hybrid.keep_attention) where this torch can watch the calls
-    candidates = ["recompute", "batch2:recompute", *(["selective-attention:int8"] if kept_ops.supported() else [])]
+    candidates = ["recompute", "batch2:recompute", "selective-attention:int8"]
     model.config.use_cache = False  # as for any checkpointing
     measurements = measure(model, step, candidates=candidates, repeats=1, max_error=5e-2)
     assert measurements.candidates == candidates and not measurements.failed
