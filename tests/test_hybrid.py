@@ -277,6 +277,24 @@ def test_keep_attention_without_redispatch_runs_functional_code_whole_under_the_
     assert counter.counts[aten._scaled_dot_product_flash_attention_for_cpu] == 0 and counter.counts[aten.addmm] > 0
 
 
+def test_a_kept_mask_leaves_the_generator_as_its_draw_did():
+    # Random ops after a kept dropout mask (here one the watch does not keep) draw in the recomputation what
+    # they drew in the forward: the generator is set to the state the mask's draw left.
+    def fn(x):
+        return torch.nn.functional.dropout(x, 0.5) * torch.rand_like(x)
+
+    x = torch.randn(64, 64, requires_grad=True)
+    grads = []
+    for context_fn in (torch_checkpoint.noop_context_fn, hybrid.keep_attention("int8")):
+        torch.manual_seed(3)
+        fastckpt.checkpoint(fn, x, context_fn=context_fn).pow(2).sum().backward()
+        grads.append(x.grad)
+        x.grad = None
+    torch.manual_seed(3)
+    fn(x).pow(2).sum().backward()
+    assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], x.grad)
+
+
 def test_within_refuses_a_recomputation_that_differs_or_a_second_backward():
     state = {"second": False}
 

@@ -10,14 +10,17 @@ too, so a watched call made inside one (nn.MultiheadAttention's attention, insid
 `F.multi_head_attention_forward`) is found.
 
 Forward: each kept op runs and its outputs go through a fastckpt storage; an in-place `bernoulli_` fill
-(the mask CPU dropout draws) is kept as its 0/1 values, 1 bit per element under a codec. Recomputation: the
-watched calls take the kept outputs in forward order instead of running the op (a kept `bernoulli_` fill is
-written back into its tensor: the same mask, no random draw), and each is dropped once taken.
+(the mask CPU dropout draws) is kept as its 0/1 values, 1 bit per element under a codec, with its generator's
+state after the draw. Recomputation: the watched calls take the kept outputs in forward order instead of
+running the op (a kept `bernoulli_` fill is written back into its tensor, the same mask without a random
+draw, and its generator set to the state the draw left, so random ops after it draw what they drew in the
+forward), and each is dropped once taken.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +34,29 @@ from fastckpt.storage.packer import SegmentStorage, _Stored
 # In-place random fills the recomputation can take back: they only write 0/1 values into their first argument.
 RANDOM_FILLS = (torch.ops.aten.bernoulli_,)
 _CONSUMED = object()  # an entry the recomputation already took
+
+
+@dataclass
+class _Fill:
+    """A kept random fill: its values, and the generator state the draw left."""
+
+    stored: _Stored
+    generator: torch.Generator
+    state: torch.Tensor
+
+
+def _generator(t: torch.Tensor, kwargs: dict) -> torch.Generator | None:
+    """The generator a random fill of `t` draws from (None: not one fastckpt can find)."""
+    if kwargs.get("generator") is not None:
+        return kwargs["generator"]
+    if t.device.type == "cpu":
+        return torch.default_generator
+    module = getattr(torch, t.device.type, None)
+    generators = getattr(module, "default_generators", None)
+    if not generators:
+        return None
+    return generators[t.device.index if t.device.index is not None else module.current_device()]
+
 
 # How to re-enter a function mode around a Python-level torch function (so calls inside it are seen too).
 # A torch without it runs such functions whole under the dispatch mode instead: the same ops kept, more cost.
@@ -48,10 +74,12 @@ class KeptOutputs:
         self.entries: list[tuple[Any, Any]] = []  # (op, stored outputs), in forward order
         self.taken = 0
 
-    def put(self, func: torch._ops.OpOverload, args: tuple, out: Any) -> None:
+    def put(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
         if func.overloadpacket in RANDOM_FILLS:
             # The fill holds only 0 and 1: kept as a bool tensor (1 bit each under a codec) it is exact.
-            self.entries.append((func, self.storage.pack(args[0].detach().bool())))
+            generator = _generator(args[0], kwargs)
+            stored = self.storage.pack(args[0].detach().bool())
+            self.entries.append((func, _Fill(stored, generator, generator.get_state())))
             return
         if any(r.alias_info is not None for r in func._schema.returns):
             raise ValueError(
@@ -83,8 +111,10 @@ class KeptOutputs:
                 f"{kept_func}; the segment must run the same ops in the same order both times"
             )
         self.entries[index] = (kept_func, _CONSUMED)  # dropped once taken
-        if func.overloadpacket in RANDOM_FILLS:
-            return args[0].copy_(self.storage.unpack(stored))
+        if isinstance(stored, _Fill):
+            args[0].copy_(self.storage.unpack(stored.stored))
+            stored.generator.set_state(stored.state)  # as if drawn: later random ops draw what they drew
+            return args[0]
         return tree_map(lambda x: self.storage.unpack(x) if isinstance(x, _Stored) else x, stored)
 
 
@@ -99,12 +129,13 @@ class _KeepInside(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if not self.is_kept(func):
+        fill_without_generator = func.overloadpacket in RANDOM_FILLS and _generator(args[0], kwargs) is None
+        if not self.is_kept(func) or fill_without_generator:  # the latter drawn again, as without fastckpt
             return func(*args, **kwargs)
         if self.recompute:
             return self.kept.take(func, args)
         out = func(*args, **kwargs)
-        self.kept.put(func, args, out)
+        self.kept.put(func, args, kwargs, out)
         return out
 
 
