@@ -76,12 +76,11 @@ def extended_candidates(batch_slices: Iterable[int] = ()) -> list[str]:
     ('selective-attention:...', hybrid.keep_attention), and for each N
     in `batch_slices` the segment on its batch in N slices ('batch<N>:...': only for segments that treat
     every sample alone)."""
-    attention = _ATTENTION_CANDIDATES
-    names = [*DEFAULT_CANDIDATES, *attention]
+    names = [*DEFAULT_CANDIDATES, *_ATTENTION_CANDIDATES]
     for count in batch_slices:
         if not (isinstance(count, int) and not isinstance(count, bool) and count >= 2):
             raise ValueError(f"extended_candidates: each batch slice count must be an integer >= 2, got {count!r}")
-        names += [f"{tiling.BATCH_PREFIX}{count}:{form}" for form in (*_SLICED, *attention)]
+        names += [f"{tiling.BATCH_PREFIX}{count}:{form}" for form in (*_SLICED, *_ATTENTION_CANDIDATES)]
     return names
 
 

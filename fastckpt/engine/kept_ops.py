@@ -86,7 +86,7 @@ class KeptOutputs:
                 f"fastckpt.hybrid.selective ({self.label}): {func} returns a view of or writes into its inputs; "
                 "only ops that return new tensors can be kept (and in-place random fills such as bernoulli_)"
             )
-        self.entries.append((func, tree_map(lambda x: self._pack(x), out)))
+        self.entries.append((func, tree_map(self._pack, out)))
 
     def _pack(self, x: Any) -> Any:
         return self.storage.pack(x) if isinstance(x, torch.Tensor) else x
