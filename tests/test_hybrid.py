@@ -295,6 +295,26 @@ def test_a_kept_mask_leaves_the_generator_as_its_draw_did():
     assert torch.equal(grads[0], x.grad) and torch.equal(grads[1], x.grad)
 
 
+def test_keep_attention_nested_in_keep_attention_is_exact():
+    torch.manual_seed(0)
+    inner, outer = TransformerBlock(dim=32, heads=4), TransformerBlock(dim=32, heads=4)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+
+    def nested(h):
+        return outer(fastckpt.checkpoint(inner, h, context_fn=hybrid.keep_attention("save")))
+
+    grads = []
+    for run in (
+        lambda h: outer(inner(h)),
+        lambda h: fastckpt.checkpoint(nested, h, context_fn=hybrid.keep_attention("save")),
+    ):
+        torch.manual_seed(1)
+        run(x).pow(2).sum().backward()
+        grads.append(x.grad)
+        x.grad = None
+    assert torch.equal(grads[0], grads[1])
+
+
 def test_within_refuses_a_recomputation_that_differs_or_a_second_backward():
     state = {"second": False}
 
