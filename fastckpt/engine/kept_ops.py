@@ -74,10 +74,10 @@ class KeptOutputs:
         self.entries: list[tuple[Any, Any]] = []  # (op, stored outputs), in forward order
         self.taken = 0
 
-    def put(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> None:
+    def put(self, func: torch._ops.OpOverload, args: tuple, out: Any, generator: torch.Generator | None) -> None:
+        """Keep `func`'s outputs (`generator`: the one a random fill drew from)."""
         if func.overloadpacket in RANDOM_FILLS:
             # The fill holds only 0 and 1: kept as a bool tensor (1 bit each under a codec) it is exact.
-            generator = _generator(args[0], kwargs)
             stored = self.storage.pack(args[0].detach().bool())
             self.entries.append((func, _Fill(stored, generator, generator.get_state())))
             return
@@ -129,13 +129,14 @@ class _KeepInside(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        fill_without_generator = func.overloadpacket in RANDOM_FILLS and _generator(args[0], kwargs) is None
-        if not self.is_kept(func) or fill_without_generator:  # the latter drawn again, as without fastckpt
+        fill = func.overloadpacket in RANDOM_FILLS
+        generator = _generator(args[0], kwargs) if fill else None
+        if not self.is_kept(func) or (fill and generator is None):  # the latter drawn again, as without fastckpt
             return func(*args, **kwargs)
         if self.recompute:
             return self.kept.take(func, args)
         out = func(*args, **kwargs)
-        self.kept.put(func, args, kwargs, out)
+        self.kept.put(func, args, out, generator)
         return out
 
 
