@@ -134,7 +134,7 @@ def tiled(
 
 # Planner candidates: 'batch2:recompute+int8' is tiled(segment, 2, dim=0, policy='recompute+int8'),
 # 'batch2:int8' the same storing each slice int8, and 'batch2:selective-attention:int8' is
-# tiled(segment, 2, dim=0, policy='recompute+int8', context_fn=hybrid.selective(...)).
+# tiled(segment, 2, dim=0, policy='recompute+int8', context_fn=hybrid.keep_attention('int8')).
 BATCH_PREFIX = "batch"
 
 

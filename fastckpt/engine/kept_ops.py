@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointError
 
+from fastckpt.engine.replay import _device_module
 from fastckpt.storage.packer import SegmentStorage, _Stored
 
 # In-place random fills the recomputation can take back: they only write 0/1 values into their first argument.
@@ -51,7 +52,7 @@ def _generator(t: torch.Tensor, kwargs: dict) -> torch.Generator | None:
         return kwargs["generator"]
     if t.device.type == "cpu":
         return torch.default_generator
-    module = getattr(torch, t.device.type, None)
+    module = _device_module(t.device.type)
     generators = getattr(module, "default_generators", None)
     if not generators:
         return None
