@@ -29,7 +29,11 @@ TORCH_LIBRARY(fastckpt, m) {
   // format's lowest; the scale then always fits: at most 2.26e38 for bf16, 43669 for fp16). One
   // exception: float32 values below bfloat16's lowest (-3.3895e38) decode to it (the group's offset
   // saturates there), an error below 2^120 (~1.33e36, bf16's ulp there).
-  // A group holding NaN or Inf stores NaN scale and offset: it decodes to all-NaN.
+  // Non-finite values survive: a group holding NaN or +-Inf ("special") takes offset and scale from its
+  // finite elements, stores its scale negated (the flag; other scales are positive), and gives NaN, +Inf
+  // and -Inf the reserved codes 2^bits - 1, 2^bits - 2 and 2^bits - 3; its finite elements use the codes
+  // below (a grid of 2^bits - 4 steps; int2: a single code, their minimum rounded down), with the bound
+  // above for that grid's scale. Detected in the same min/max pass, at no extra pass over the data.
   // Returns (codes, scale, offset); scale and offset are 1-D with ceil(numel / group_size) entries.
   m.def(
       "quantize_per_group(Tensor x, int bits, int group_size, bool stochastic=False, int seed=0) -> "
@@ -38,7 +42,9 @@ TORCH_LIBRARY(fastckpt, m) {
   // element = offset + code * scale rounded once to float32 (the product is exact; where it overflows
   // float32 the sum is taken on halves), clamped to dtype's finite range, then rounded to dtype: finite
   // parameters never decode to Inf, and the clamp only moves values toward the original. A group whose
-  // scale or offset is NaN or Inf decodes to dtype's canonical quiet NaN (0x7FC00000, 0x7E00, 0x7FC0).
+  // scale or offset is NaN or Inf decodes to dtype's canonical quiet NaN (0x7FC00000, 0x7E00, 0x7FC0). In a
+  // group whose scale is negative (special), the reserved codes decode to +Inf, -Inf and the canonical NaN
+  // (a NaN's sign and payload are not kept), the others as above with the scale's magnitude.
   m.def(
       "dequantize_per_group(Tensor codes, Tensor scale, Tensor offset, int bits, int group_size, ScalarType dtype, "
       "SymInt[] shape) -> Tensor");
@@ -47,14 +53,17 @@ TORCH_LIBRARY(fastckpt, m) {
   // them). Each group of group_size elements (1 to 2^31 - 1) has a power-of-two scale 2^e, stored exactly as
   // bfloat16: the smallest with max|x| / 2^e <= 448; code = x / 2^e rounded to nearest even. Error bound:
   // half an e4m3 step of x / 2^e, times 2^e, plus the rounding of the decoded value to its dtype; it holds
-  // up to each dtype's maximum (decoding clamps, see below). A group holding NaN or Inf stores a NaN scale
-  // and decodes to all-NaN. Returns (codes, scale); scale has one entry per group.
+  // up to each dtype's maximum (decoding clamps, see below). A group holding NaN or +-Inf (special) takes its
+  // scale from its finite elements, scaled to at most 416 so that no finite element gets e4m3's 448, stores it
+  // negated, and codes NaN, +Inf, -Inf as 0x7F, 0x7E (+448), 0xFE (-448). Returns (codes, scale); scale has
+  // one entry per group.
   m.def("quantize_fp8_per_group(Tensor x, int group_size) -> (Tensor codes, Tensor scale)");
   // Inverse of quantize_fp8_per_group: code * scale in float32 (exact, or Inf where it overflows), clamped
   // to dtype's finite range, rounded to dtype, as a tensor of `shape`. e4m3 rounding can carry the top
   // ~3% of a binade (1.9375 * 2^k and up) to 2^(k+1) whatever the exponent, past the dtype's maximum for
   // its top binade; the clamp brings such values back, closer to the original. A NaN or Inf scale decodes
-  // to all-NaN (dtype's canonical quiet NaN).
+  // to all-NaN (dtype's canonical quiet NaN). A negative scale (special group): 0x7E and 0xFE decode to
+  // +Inf and -Inf, e4m3's NaN codes to the canonical NaN, the others with the scale's magnitude.
   m.def(
       "dequantize_fp8_per_group(Tensor codes, Tensor scale, int group_size, ScalarType dtype, SymInt[] shape) "
       "-> Tensor");

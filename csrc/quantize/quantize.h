@@ -11,8 +11,14 @@
 //               every group starts on a byte boundary. fp8 codes are float8_e4m3fn bit patterns, one byte each.
 //   scale/offset one 16-bit float per group (affine: fp16 for fp16 inputs, bf16 otherwise; fp8: a
 //               power-of-two scale in bf16). x ~= offset + code * scale (affine), code * scale (fp8).
-//   A group holding NaN or +-Inf stores scale = offset = NaN and codes 0, so every element of that
-//   group decodes to NaN.
+//   A "special" group, one holding NaN or +-Inf, takes its parameters from its finite elements only
+//   and stores its scale negated (the sign bit flags it; every other scale is positive). Its
+//   non-finite elements get reserved codes that decode to themselves: affine codes 2^bits - 1 = NaN,
+//   2^bits - 2 = +Inf, 2^bits - 3 = -Inf, its finite elements the codes below on a grid three codes
+//   shorter (int2 has one code left: its finite elements decode to their minimum rounded down);
+//   fp8 codes 0x7F = NaN, 0x7E = +Inf, 0xFE = -Inf, its finite elements scaled to at most 416 (code
+//   0x7D). NaN decodes to the output dtype's canonical quiet NaN (its payload and sign are not kept).
+//   Found by the same min/max pass that sizes the group: no extra pass over finite data.
 //
 // Finite groups always get finite parameters, and decode to finite values (no overflow anywhere):
 //   - the offset saturates at the 16-bit format's lowest value (only fp32 inputs below bf16's lowest,
@@ -24,8 +30,8 @@
 //     rounding to it. The clamp only ever moves a value toward the original (which was in range), so
 //     the error bound (scale/2 for round to nearest) holds; fp8 likewise (e4m3 rounding can carry a
 //     value to the next power of two, past the dtype's maximum, whatever exponent the group has).
-//   Decoding parameters that are not finite (NaN from quantize, Inf only from foreign input) gives
-//   all-NaN groups, with the canonical quiet NaN of the output dtype.
+//   Decoding parameters that are not finite (only from foreign input) gives all-NaN groups, with the
+//   canonical quiet NaN of the output dtype.
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -188,7 +194,6 @@ FASTCKPT_HD uint32_t param_round_up(float v, bool bf16) {
   const uint32_t b = bf16 ? float_to_bf16_bits(v) : float_to_half_bits(v);
   return param_to_float(b, bf16) < v ? param_next_up(b) : b;
 }
-constexpr uint32_t kParamNaN = 0x7FC0u;  // a quiet NaN in bf16 and in fp16 alike
 FASTCKPT_HD bool is_finite_float(float v) { return (float_bits(v) & 0x7F800000u) != 0x7F800000u; }
 // The format's lowest finite value (bf16: -3.3895e38, fp16: -65504).
 FASTCKPT_HD uint32_t param_lowest_bits(bool bf16) { return bf16 ? 0xFF7Fu : 0xFBFFu; }
@@ -234,8 +239,8 @@ FASTCKPT_HD float saturate(float v, float limit) {
 }
 
 // ---------------------------------------------------------------- fp8 e4m3 (finite, no Inf)
-// For finite |y| <= 448, which the group scale guarantees (a non-finite group's codes are replaced
-// by 0): no saturation or NaN selects, they cost ~15% of the fp8 encode loop.
+// For finite |y| <= 448, which the group scale guarantees (a special group's non-finite elements take
+// their own codes): no saturation or NaN selects, they cost ~15% of the fp8 encode loop.
 FASTCKPT_HD uint32_t float_to_e4m3_bits(float y) {
   const uint32_t u = float_bits(y);
   const uint32_t sign = (u >> 24) & 0x80u;
@@ -269,7 +274,7 @@ FASTCKPT_HD float from_order_key(int32_t k) {
 }
 constexpr int32_t kKeyPosInf = 0x7F800000;
 constexpr int32_t kKeyNegInf = static_cast<int32_t>(0xFF800000u ^ 0x7FFFFFFFu);
-FASTCKPT_HD bool keys_finite(int32_t lo, int32_t hi) { return lo > kKeyNegInf && hi < kKeyPosInf; }
+FASTCKPT_HD bool key_finite(int32_t k) { return k > kKeyNegInf && k < kKeyPosInf; }
 
 // ---------------------------------------------------------------- counter-based RNG
 // u(seed, g, i) for element i of group g: a stateless hash, identical on every device and
@@ -301,12 +306,15 @@ FASTCKPT_HD float uniform01(uint32_t group_key, uint32_t index_in_group) {
 // code back into a float (decode). Both share one interface so that every kernel serves both.
 
 // A group's parameters; encode reads only offset, inv_scale = 1 / scale and wide (fp8: offset 0,
-// offset_bits unused, never wide).
+// offset_bits unused, never wide). scale is positive; scale_bits, as stored, is negated for special groups.
 struct GroupParams {
   float offset, scale, inv_scale;
   uint32_t offset_bits, scale_bits;  // as stored: 16-bit float patterns
-  bool finite, wide;
+  bool special, wide;
 };
+
+// The sign bit of a stored 16-bit scale (bf16 and fp16 alike): set for special groups.
+constexpr uint32_t kSpecialFlag = 0x8000u;
 
 // Asymmetric per-group integer codes: x ~= offset + code * scale, code in [0, 2^bits - 1].
 // Offset is rounded down and scale up to the stored 16-bit format, and codes are computed from the
@@ -323,8 +331,13 @@ struct AffineCodec {
   static constexpr int kMaxCode = (1 << kBits) - 1;
   using Params = GroupParams;
 
-  // Branch-free (selects only), so that groups overlap in the CPU's pipeline.
-  FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool bf16) {
+  // Reserved codes of a special group's non-finite elements; its finite ones use [0, kFiniteMaxCode].
+  static constexpr uint32_t kNaNCode = kMaxCode, kPosInfCode = kMaxCode - 1, kNegInfCode = kMaxCode - 2;
+  static constexpr int kFiniteMaxCode = kMaxCode - 3;
+
+  // lo, hi: the min and max of the group's finite elements. Branch-free (selects only), so that groups
+  // overlap in the CPU's pipeline.
+  FASTCKPT_HD static Params make(float lo, float hi, bool special, bool bf16) {
     // The offset saturates at the format's lowest: min rounded down, from no lower than that value.
     const float lowest = param_to_float(param_lowest_bits(bf16), bf16);
     const uint32_t offset_bits = param_round_down(lo > lowest ? lo : lowest, bf16);
@@ -332,8 +345,9 @@ struct AffineCodec {
     const float range = sub_rn(hi, offset);
     // Wide: max - offset overflows; halving is exact there (both are beyond 2^100 in magnitude).
     const bool wide = !is_finite_float(range);
-    const float quotient =
-        div_rn(wide ? sub_rn(mul_rn(hi, 0.5f), mul_rn(offset, 0.5f)) : range, static_cast<float>(kMaxCode));
+    // A special group's grid is kFiniteMaxCode steps (at least one: int2 keeps a single finite code).
+    const float steps = static_cast<float>(special ? (kFiniteMaxCode > 0 ? kFiniteMaxCode : 1) : kMaxCode);
+    const float quotient = div_rn(wide ? sub_rn(mul_rn(hi, 0.5f), mul_rn(offset, 0.5f)) : range, steps);
     const float step = wide ? mul_rn(quotient, 2.0f) : quotient;
     // A floor of 2^-126 keeps 1/scale finite (constant groups decode exactly through code 0). No
     // saturation needed: the step is at most (FLT_MAX + 3.39e38) / 3 = 2.26e38 (bf16 params, whose
@@ -342,9 +356,7 @@ struct AffineCodec {
     const uint32_t scale_bits = param_round_up(step > 1.17549435e-38f ? step : 1.17549435e-38f, bf16);
     const float scale = param_to_float(scale_bits, bf16);
     const float inv_scale = div_rn(1.0f, scale);
-    // Non-finite data: NaN parameters, codes 0.
-    return Params{finite ? offset : 0.f,         finite ? scale : 0.f,         finite ? inv_scale : 0.f,
-                  finite ? offset_bits : kParamNaN, finite ? scale_bits : kParamNaN, finite, finite && wide};
+    return Params{offset, scale, inv_scale, offset_bits, scale_bits | (special ? kSpecialFlag : 0u), special, wide};
   }
 
   // Any group.
@@ -364,7 +376,7 @@ struct AffineCodec {
 
   // t = (x - offset) / scale, rounded with offset u.
   FASTCKPT_HD static uint32_t code_of(float t, float u) {
-    // NaN (only in non-finite groups, whose codes are replaced by 0) becomes 0 here, so it never
+    // NaN (only in special groups, whose non-finite elements take reserved codes) becomes 0 here, so it never
     // reaches the float-to-int conversion. Above, t is at most kMaxCode plus a few ulp (x <= max,
     // offset <= min, scale rounded up; wide groups on halves, so x/2 - offset/2 cannot overflow), so
     // the clamp can wait for the integer: one float select and one integer min, where clamping both
@@ -392,10 +404,19 @@ struct AffineCodec {
   }
 
   // Whether decode (no clamp) keeps every code of a group within [-limit, limit]: both ends of its grid
-  // are (decode is monotonic in the code). False for non-finite parameters.
+  // are (decode is monotonic in the code). False for non-finite parameters and special groups (scale < 0).
   FASTCKPT_HD static bool in_range(float offset, float scale, float limit) {
     const float top = decode(offset, scale, kMaxCode);
-    return offset >= -limit && offset <= limit && top >= -limit && top <= limit;
+    return scale > 0.f && offset >= -limit && offset <= limit && top >= -limit && top <= limit;
+  }
+
+  // The code of x in a special group: reserved codes for NaN and +-Inf, the grid's for the rest.
+  FASTCKPT_HD static uint32_t encode_special(const Params& p, float x, float u) {
+    const uint32_t bits = float_bits(x) & 0x7FFFFFFFu;
+    const uint32_t code = encode(p, x, u);
+    const uint32_t finite_code = code < static_cast<uint32_t>(kFiniteMaxCode) ? code : kFiniteMaxCode;
+    const uint32_t inf_code = float_bits(x) >> 31 ? kNegInfCode : kPosInfCode;
+    return bits > 0x7F800000u ? kNaNCode : bits == 0x7F800000u ? inf_code : finite_code;
   }
 };
 
@@ -410,19 +431,24 @@ struct Fp8Codec {
   static constexpr bool kCanBeWide = false;
   static constexpr int kMinExponent = -126;  // keeps 2^e and 2^-e normal floats
   static constexpr float kMaxCode = 448.0f;  // e4m3's largest finite magnitude
+  // Reserved codes of a special group's non-finite elements (e4m3's NaN, +448, -448); its finite elements
+  // are scaled to at most 416 (0x7D), so that none rounds to 448.
+  static constexpr uint32_t kNaNCode = 0x7Fu, kPosInfCode = 0x7Eu, kNegInfCode = 0xFEu;
   using Params = GroupParams;
 
-  FASTCKPT_HD static Params make(float lo, float hi, bool finite, bool /*bf16: always*/) {
+  // lo, hi: the min and max of the group's finite elements.
+  FASTCKPT_HD static Params make(float lo, float hi, bool special, bool /*bf16: always*/) {
     const uint32_t lo_abs = float_bits(lo) & 0x7FFFFFFFu, hi_abs = float_bits(hi) & 0x7FFFFFFFu;
     const uint32_t amax = lo_abs > hi_abs ? lo_abs : hi_abs;
-    // amax = 1.m * 2^(E-127); 1.m <= 1.75 fits 448 = 1.75 * 2^8 at e = E-135, otherwise e = E-134.
+    // amax = 1.m * 2^(E-127); 1.m <= 1.75 fits 448 = 1.75 * 2^8 at e = E-135, otherwise e = E-134
+    // (special groups: 1.m <= 1.625 fits 416 = 1.625 * 2^8).
     const int32_t biased = static_cast<int32_t>(amax >> 23);
-    int32_t e = biased - ((amax & 0x7FFFFFu) <= 0x600000u ? 135 : 134);
+    int32_t e = biased - ((amax & 0x7FFFFFu) <= (special ? 0x500000u : 0x600000u) ? 135 : 134);
     e = e > kMinExponent ? e : kMinExponent;
     const float inv_scale = float_from_bits(static_cast<uint32_t>(127 - e) << 23);
     const float scale = float_from_bits(static_cast<uint32_t>(127 + e) << 23);
-    return Params{0.f, finite ? scale : 0.f, finite ? inv_scale : 0.f, 0u,
-                  finite ? static_cast<uint32_t>(127 + e) << 7 : kParamNaN, finite, false};
+    const uint32_t scale_bits = (static_cast<uint32_t>(127 + e) << 7) | (special ? kSpecialFlag : 0u);
+    return Params{0.f, scale, inv_scale, 0u, scale_bits, special, false};
   }
 
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float /*u*/) {
@@ -439,7 +465,13 @@ struct Fp8Codec {
 
   FASTCKPT_HD static bool in_range(float /*offset*/, float scale, float limit) {
     const float top = mul_rn(kMaxCode, scale);
-    return top >= -limit && top <= limit;
+    return scale > 0.f && top <= limit;
+  }
+
+  FASTCKPT_HD static uint32_t encode_special(const Params& p, float x, float u) {
+    const uint32_t bits = float_bits(x) & 0x7FFFFFFFu;
+    const uint32_t inf_code = float_bits(x) >> 31 ? kNegInfCode : kPosInfCode;
+    return bits > 0x7F800000u ? kNaNCode : bits == 0x7F800000u ? inf_code : encode(p, x, u);
   }
 };
 
@@ -451,6 +483,20 @@ FASTCKPT_HD float decode_saturated(float offset, float scale, uint32_t code, flo
   const bool ok = is_finite_float(offset) && is_finite_float(scale);
   return ok ? saturate(Codec::decode_any(offset, scale, code), limit) : float_from_bits(kFloatQuietNaN);
 }
+
+// The decoded value of one code of a special group (abs_scale: its scale without the flag), in float32:
+// its reserved codes give NaN and +-Inf, the others decode_saturated.
+template <typename Codec>
+FASTCKPT_HD float decode_special(float offset, float abs_scale, uint32_t code, float limit) {
+  const float inf = float_from_bits(0x7F800000u);
+  const float value = decode_saturated<Codec>(offset, abs_scale, code, limit);
+  const bool nan = code == Codec::kNaNCode || (!Codec::kHasOffset && (code & 0x7Fu) == 0x7Fu);  // e4m3: both NaNs
+  const float special = code == Codec::kPosInfCode ? inf : code == Codec::kNegInfCode ? -inf : value;
+  return nan ? float_from_bits(kFloatQuietNaN) : special;
+}
+
+// Whether a group's stored scale flags it special (a negative scale; NaN parameters are not special).
+FASTCKPT_HD bool is_special_scale(float scale) { return scale < 0.f; }
 
 // Runs `body` with scalar_t bound to the input's C++ type (float32, float16, bfloat16 only).
 #define FASTCKPT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                   \

@@ -157,6 +157,25 @@ FASTCKPT_HD void group_range(const T* __restrict__ src, int64_t n, typename Keys
   hi_key = hi;
 }
 
+// Order keys of the min and max of src[0, n)'s finite elements (the keys of 0 when there are none): the
+// range of a special group, which group_range found to hold NaN or +-Inf. Rare, so a plain loop.
+template <typename T>
+void finite_range(const T* src, int64_t n, typename Keys<T>::Key& lo_key, typename Keys<T>::Key& hi_key) {
+  using K = Keys<T>;
+  typename K::Key lo = std::numeric_limits<typename K::Key>::max();
+  typename K::Key hi = std::numeric_limits<typename K::Key>::min();
+  for (int64_t i = 0; i < n; ++i) {
+    const auto k = K::of(src[i]);
+    if (k > K::kNegInf && k < K::kPosInf) {
+      lo = std::min(lo, k);
+      hi = std::max(hi, k);
+    }
+  }
+  const bool none = lo > hi;
+  lo_key = none ? typename K::Key{0} : lo;  // key 0 is +0.0 for every key width
+  hi_key = none ? typename K::Key{0} : hi;
+}
+
 // One code per byte for src[0, n). kWide: the group is wide (rare; see AffineCodec).
 template <typename T, typename Codec, bool kStochastic, bool kWide>
 FASTCKPT_HD void encode_group(const T* __restrict__ src, uint8_t* __restrict__ out, int64_t n, const GroupParams& p,
@@ -208,12 +227,12 @@ using BlockValue = std::conditional_t<std::is_same_v<T, c10::Half>, float, T>;
 // (one per byte), from the parameters the block computed. kMayBeWide: some group of the block is wide.
 template <typename T, typename Codec, bool kMayBeWide>
 FASTCKPT_HD void encode_block(const T* src, uint8_t* unpacked, int64_t count, int64_t group_size, int64_t groups,
-                              int64_t g0, const float* offsets, const float* inv_scales, const int32_t* finite,
+                              int64_t g0, const float* offsets, const float* inv_scales, const int32_t* special,
                               const int32_t* wide, bool stochastic, uint32_t seed_key, float* values) {
   int64_t widened_from = 0;  // fp16: values holds the block's elements from here on, as fp32
   for (int64_t b = 0; b < groups; ++b) {
     const int64_t at = b * group_size, n = std::min(group_size, count - at);
-    const GroupParams p{offsets[b], 0.f, inv_scales[b], 0u, 0u, finite[b] != 0, kMayBeWide && wide[b] != 0};
+    const GroupParams p{offsets[b], 0.f, inv_scales[b], 0u, 0u, special[b] != 0, kMayBeWide && wide[b] != 0};
     const BlockValue<T>* encoded = nullptr;
     if constexpr (std::is_same_v<T, c10::Half>) {
       // widened a few groups at a time, so that they are still in L1 when encoded
@@ -225,7 +244,14 @@ FASTCKPT_HD void encode_block(const T* src, uint8_t* unpacked, int64_t count, in
     } else {
       encoded = src + at;
     }
-    if (kMayBeWide && p.wide) {
+    if (p.special) {
+      // NaN and +-Inf take reserved codes (rare: one select chain per element, outside the vector loops).
+      const uint32_t key = stochastic ? group_key(seed_key, g0 + b) : 0u;
+      for (int64_t i = 0; i < n; ++i) {
+        const float u = stochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
+        unpacked[at + i] = static_cast<uint8_t>(Codec::encode_special(p, to_float(encoded[i]), u));
+      }
+    } else if (kMayBeWide && p.wide) {
       if (stochastic) {
         encode_group<BlockValue<T>, Codec, true, true>(encoded, unpacked + at, n, p, group_key(seed_key, g0 + b));
       } else {
@@ -236,8 +262,6 @@ FASTCKPT_HD void encode_block(const T* src, uint8_t* unpacked, int64_t count, in
     } else {
       encode_group<BlockValue<T>, Codec, false, false>(encoded, unpacked + at, n, p, 0);
     }
-    // A non-finite group decodes to NaN through its parameters; its codes are 0.
-    if (!finite[b]) std::fill_n(unpacked + at, n, uint8_t{0});
   }
 }
 
@@ -252,7 +276,7 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
   const int64_t block = block_groups(group_size);
   float lo[kMaxBlockGroups], hi[kMaxBlockGroups], offsets[kMaxBlockGroups], inv_scales[kMaxBlockGroups];
   // int32, not bool: keeps the parameter loop in one vector width
-  int32_t finite[kMaxBlockGroups], wide[kMaxBlockGroups];
+  int32_t special[kMaxBlockGroups], wide[kMaxBlockGroups];
   typename Keys<T>::Key lo_keys[kMaxBlockGroups], hi_keys[kMaxBlockGroups];
   for (int64_t g0 = begin; g0 < end; g0 += block) {
     const int64_t groups = std::min(block, end - g0);
@@ -262,17 +286,27 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
     for (int64_t b = 0; b < groups; ++b) {
       group_range(src + b * group_size, std::min(group_size, count - b * group_size), lo_keys[b], hi_keys[b]);
     }
+    int32_t any_special = 0;
+    for (int64_t b = 0; b < groups; ++b) {
+      special[b] = !(lo_keys[b] > Keys<T>::kNegInf && hi_keys[b] < Keys<T>::kPosInf);
+      any_special |= special[b];
+    }
+    if (any_special) {
+      for (int64_t b = 0; b < groups; ++b) {
+        if (special[b]) {
+          finite_range(src + b * group_size, std::min(group_size, count - b * group_size), lo_keys[b], hi_keys[b]);
+        }
+      }
+    }
     for (int64_t b = 0; b < groups; ++b) {
       lo[b] = Keys<T>::value(lo_keys[b]);
       hi[b] = Keys<T>::value(hi_keys[b]);
-      finite[b] = lo_keys[b] > Keys<T>::kNegInf && hi_keys[b] < Keys<T>::kPosInf;
     }
     int32_t any_wide = 0;
     for (int64_t b = 0; b < groups; ++b) {
-      const GroupParams p = Codec::make(lo[b], hi[b], finite[b] != 0, kBf16Params);
+      const GroupParams p = Codec::make(lo[b], hi[b], special[b] != 0, kBf16Params);
       offsets[b] = p.offset;
       inv_scales[b] = p.inv_scale;
-      finite[b] = p.finite;
       wide[b] = p.wide;
       any_wide |= wide[b];
       scale[g0 + b] = static_cast<uint16_t>(p.scale_bits);
@@ -282,10 +316,10 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
     uint8_t* unpacked = kPerByte == 1 ? dst : scratch;
     // Wide groups (rare) get their own loop; a block without any runs the plain one and tests nothing per group.
     if (Codec::kCanBeWide && any_wide) {
-      encode_block<T, Codec, true>(src, unpacked, count, group_size, groups, g0, offsets, inv_scales, finite, wide,
+      encode_block<T, Codec, true>(src, unpacked, count, group_size, groups, g0, offsets, inv_scales, special, wide,
                                    stochastic, seed_key, values);
     } else {
-      encode_block<T, Codec, false>(src, unpacked, count, group_size, groups, g0, offsets, inv_scales, finite, wide,
+      encode_block<T, Codec, false>(src, unpacked, count, group_size, groups, g0, offsets, inv_scales, special, wide,
                                     stochastic, seed_key, values);
     }
     if constexpr (kPerByte > 1) {
@@ -317,7 +351,7 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
         offsets[b] = bf16_params ? bf16_bits_to_float(offset[g0 + b]) : half_bits_to_float(offset[g0 + b]);
       }
     }
-    // false for NaN/Inf parameters too: one test per group in the common case
+    // false for NaN/Inf parameters and special groups too: one test per group in the common case
     for (int64_t b = 0; b < groups; ++b) {
       in_range[b] = Codec::in_range(Codec::kHasOffset ? offsets[b] : 0.f, scales[b], limit);
     }
@@ -344,9 +378,12 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
       }
       if (!in_range[b]) {
         if (!is_finite_float(s) || !is_finite_float(o)) {
-          // NaN parameters (codes 0; Inf ones only come from foreign input): the canonical NaN, so that
-          // no loop rounds a NaN (bf16 rounding then needs no NaN select, which cost 30% of its time).
+          // Non-finite parameters (only from foreign input): the canonical NaN, so that no loop rounds a
+          // NaN (bf16 rounding then needs no NaN select, which cost 30% of its time).
           std::fill_n(y, n, from_float<BlockValue<T>>(float_from_bits(kFloatQuietNaN)));
+        } else if (is_special_scale(s)) {
+          // A group that held NaN or +-Inf: its reserved codes decode to them.
+          for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(decode_special<Codec>(o, -s, q[i], limit));
         } else {
           // Some code would leave T's finite range (values near the dtype's maximum, or code * scale
           // beyond float32): clamped decoding. Rare; the loops below skip the clamp.

@@ -48,14 +48,18 @@ __device__ __forceinline__ void load_chunk(const T* __restrict__ src, int64_t c,
   }
 }
 
+// Min and max order keys of the finite elements; `special` is set by any NaN or +-Inf.
 template <int V>
-__device__ __forceinline__ void reduce_keys(const float (&vals)[V], int64_t c, int64_t n, int32_t& lo, int32_t& hi) {
+__device__ __forceinline__ void reduce_keys(const float (&vals)[V], int64_t c, int64_t n, int32_t& lo, int32_t& hi,
+                                            int32_t& special) {
 #pragma unroll
   for (int v = 0; v < V; ++v) {
     if (c + v < n) {
       const int32_t k = order_key(vals[v]);
-      lo = min(lo, k);
-      hi = max(hi, k);
+      const bool finite = key_finite(k);
+      special |= !finite;
+      lo = min(lo, finite ? k : INT_MAX);
+      hi = max(hi, finite ? k : INT_MIN);
     }
   }
 }
@@ -82,13 +86,13 @@ __device__ __forceinline__ void encode_chunk(const float (&vals)[V], uint8_t* __
                                              const typename Codec::Params& p, uint32_t key, bool stochastic,
                                              bool vector) {
   uint64_t packed = 0;
-  if (p.finite) {  // a non-finite group keeps codes 0 and decodes to NaN through its parameters
 #pragma unroll
-    for (int v = 0; v < V; ++v) {
-      if (c + v < n) {
-        const float u = stochastic ? uniform01(key, static_cast<uint32_t>(c + v)) : 0.5f;
-        packed |= static_cast<uint64_t>(Codec::encode(p, vals[v], u)) << (v * Codec::kBits);
-      }
+  for (int v = 0; v < V; ++v) {
+    if (c + v < n) {
+      const float u = stochastic ? uniform01(key, static_cast<uint32_t>(c + v)) : 0.5f;
+      // a special group's NaN and +-Inf take reserved codes
+      const uint32_t code = p.special ? Codec::encode_special(p, vals[v], u) : Codec::encode(p, vals[v], u);
+      packed |= static_cast<uint64_t>(code) << (v * Codec::kBits);
     }
   }
   uint8_t* out = dst + c * Codec::kBits / 8;
@@ -122,26 +126,28 @@ __global__ void __launch_bounds__(kThreads)
     const T* src = x + (g < groups ? start : 0);
 
     float vals[kRegisterChunks][V];
-    int32_t lo = INT_MAX, hi = INT_MIN;
+    int32_t lo = INT_MAX, hi = INT_MIN, special = 0;
 #pragma unroll
     for (int it = 0; it < kRegisterChunks; ++it) {
       const int64_t c = (static_cast<int64_t>(it) * team + rank) * V;
       load_chunk(src, c, n, vector, vals[it]);
-      reduce_keys(vals[it], c, n, lo, hi);
+      reduce_keys(vals[it], c, n, lo, hi, special);
     }
     const int64_t lane_stride = static_cast<int64_t>(team) * V;
     for (int64_t c = (static_cast<int64_t>(kRegisterChunks) * team + rank) * V; c < n; c += lane_stride) {
       float more[V];
       load_chunk(src, c, n, vector, more);
-      reduce_keys(more, c, n, lo, hi);
+      reduce_keys(more, c, n, lo, hi, special);
     }
     for (int lanes = team >> 1; lanes > 0; lanes >>= 1) {
       lo = min(lo, __shfl_xor_sync(0xFFFFFFFFu, lo, lanes));
       hi = max(hi, __shfl_xor_sync(0xFFFFFFFFu, hi, lanes));
+      special |= __shfl_xor_sync(0xFFFFFFFFu, special, lanes);
     }
     if (n == 0) continue;
+    if (lo > hi) lo = hi = 0;  // no finite element: the range of +0.0, as on the CPU
 
-    const auto p = Codec::make(from_order_key(lo), from_order_key(hi), keys_finite(lo, hi), bf16_params);
+    const auto p = Codec::make(from_order_key(lo), from_order_key(hi), special != 0, bf16_params);
     if (rank == 0) {
       scale[g] = static_cast<uint16_t>(p.scale_bits);
       if constexpr (Codec::kHasOffset) offset[g] = static_cast<uint16_t>(p.offset_bits);
@@ -169,12 +175,16 @@ __device__ __forceinline__ int64_t group_of_chunk(int64_t chunk, int64_t chunks_
   return chunk / chunks_per_group;
 }
 
-// One decoded element as T, bit-identical to the CPU kernels: clamped to T's finite range, and the
-// canonical NaN for non-finite parameters (a device conversion of a NaN could give other bits).
+// One decoded element as T, bit-identical to the CPU kernels: clamped to T's finite range, a special
+// group's reserved codes as NaN and +-Inf, and the canonical NaN for NaN (a device conversion of a NaN
+// could give other bits) and for non-finite parameters.
 template <typename T, typename Codec>
 __device__ __forceinline__ T decode_to(float o, float s, uint32_t code) {
-  const float y = decode_saturated<Codec>(o, s, code, finite_max<T>());
-  return is_finite_float(o) && is_finite_float(s) ? from_float<T>(y) : quiet_nan<T>();
+  const bool special = is_special_scale(s);
+  const float y = special ? decode_special<Codec>(o, -s, code, finite_max<T>())
+                          : decode_saturated<Codec>(o, s, code, finite_max<T>());
+  return is_finite_float(o) && is_finite_float(s) && (float_bits(y) & 0x7FFFFFFFu) <= 0x7F800000u ? from_float<T>(y)
+                                                                                                 : quiet_nan<T>();
 }
 
 // Rebuilds output elements [base, base + V) one by one: chunks that straddle groups or the end.

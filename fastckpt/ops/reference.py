@@ -28,7 +28,6 @@ def unpack_bits_ref(packed: torch.Tensor, shape: list[int]) -> torch.Tensor:
 
 _KEY_POS_INF = 0x7F800000  # order key of +Inf; keys above it are NaN
 _KEY_NEG_INF = -0x7F800001  # order key of -Inf; keys below it are NaN
-_PARAM_NAN = 0x7FC0  # the 16-bit NaN stored as scale/offset of a group holding NaN or Inf
 _MIN_NORMAL = 2.0**-126
 # The canonical quiet NaN of each output dtype, as bits (torch's own conversions vary: bf16 gives 0xFFFF).
 _QUIET_NAN = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
@@ -45,17 +44,34 @@ def _from_order_keys(keys: torch.Tensor) -> torch.Tensor:
 
 
 def _grouped(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x flattened as float32 [groups, group_size] (zero padded), its valid mask, group min, max, finiteness."""
+    """x flattened as float32 [groups, group_size] (zero padded), the min and max of each group's finite
+    elements (0 where it has none), and which groups are special (hold NaN or +-Inf)."""
     flat = x.reshape(-1).float()
     groups = (flat.numel() + group_size - 1) // group_size
     pad = groups * group_size - flat.numel()
     values = torch.nn.functional.pad(flat, (0, pad)).view(groups, group_size)
     valid = torch.nn.functional.pad(torch.ones_like(flat, dtype=torch.bool), (0, pad)).view(groups, group_size)
     keys = _order_keys(values)
+    finite = (keys > _KEY_NEG_INF) & (keys < _KEY_POS_INF)
+    special = (valid & ~finite).any(dim=1)
+    valid = valid & finite
     lo = torch.where(valid, keys, torch.iinfo(torch.int32).max).amin(dim=1)
     hi = torch.where(valid, keys, torch.iinfo(torch.int32).min).amax(dim=1)
-    finite = (lo > _KEY_NEG_INF) & (hi < _KEY_POS_INF)
-    return values, _from_order_keys(lo), _from_order_keys(hi), finite
+    none = lo > hi
+    lo, hi = torch.where(none, 0, lo), torch.where(none, 0, hi)
+    return values, _from_order_keys(lo), _from_order_keys(hi), special
+
+
+def _special_codes(values: torch.Tensor, codes: torch.Tensor, nan: int, pos_inf: int, neg_inf: int) -> torch.Tensor:
+    """codes with the reserved codes of NaN and +-Inf put in (only special groups hold such values)."""
+    codes = torch.where(values == float("inf"), pos_inf, codes)
+    codes = torch.where(values == float("-inf"), neg_inf, codes)
+    return torch.where(torch.isnan(values), nan, codes)
+
+
+def _flagged(scale: torch.Tensor, special: torch.Tensor) -> torch.Tensor:
+    """16-bit scales with the sign bit set on special groups (quantize.h's kSpecialFlag)."""
+    return torch.where(special, -scale, scale)
 
 
 def _bits16_to(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -136,16 +152,28 @@ def _saturated(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(values > limit, limit, torch.where(values < -limit, -limit, values))
 
 
-def _to_output(values: torch.Tensor, params_ok: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
+def _to_output(
+    values: torch.Tensor,
+    params_ok: torch.Tensor,
+    dtype: torch.dtype,
+    shape: list[int],
+    specials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Decoded float32 values rounded to dtype after the clamp to its finite range; elements whose group
-    has non-finite parameters become dtype's canonical quiet NaN."""
+    has non-finite parameters become dtype's canonical quiet NaN. `specials`: masks of the elements that
+    decode to NaN, +Inf and -Inf (a special group's reserved codes)."""
     out = _saturated(values, dtype).to(dtype)
     nan_bits = torch.tensor(_QUIET_NAN[dtype], dtype=torch.int64)
     if dtype == torch.float32:
         nan = nan_bits.to(torch.int32).view(torch.float32)
     else:
         nan = _bits16_to(nan_bits, dtype)
-    return torch.where(params_ok, out, nan.to(values.device)).view(shape)
+    nan = nan.to(values.device)
+    if specials is not None:
+        is_nan, is_pos_inf, is_neg_inf = specials
+        out = torch.where(is_pos_inf, float("inf"), torch.where(is_neg_inf, float("-inf"), out))
+        params_ok = params_ok & ~is_nan
+    return torch.where(params_ok, out, nan).view(shape)
 
 
 def quantize_per_group_ref(
@@ -155,14 +183,16 @@ def quantize_per_group_ref(
     max_code = (1 << bits) - 1
     param_dtype = torch.float16 if x.dtype == torch.float16 else torch.bfloat16
     group_size = effective_group_size(x.numel(), group_size)
-    values, lo, hi, finite = _grouped(x, group_size)
-    lo, hi = torch.where(finite, lo, 0.0), torch.where(finite, hi, 0.0)
+    values, lo, hi, special = _grouped(x, group_size)
+    # a special group's grid is three codes shorter (at least one step); the top three are reserved
+    finite_max_code = max_code - 3
+    steps = torch.where(special, float(max(finite_max_code, 1)), float(max_code))
     # the offset saturates at the format's lowest (fp32 below bf16's lowest -3.3895e38)
     offset = _round_to_param(torch.clamp(lo, min=torch.finfo(param_dtype).min), param_dtype, up=False)
     o = offset.float()
     # a group spanning more than float32's range ("wide") takes its step, and its codes, from halves
     wide = ~torch.isfinite(hi - o)
-    step = torch.where(wide, (hi * 0.5 - o * 0.5) / max_code * 2.0, (hi - o) / max_code)
+    step = torch.where(wide, (hi * 0.5 - o * 0.5) / steps * 2.0, (hi - o) / steps)
     scale = _round_to_param(torch.clamp(step, min=_MIN_NORMAL), param_dtype, up=True)  # finite: step <= 2.26e38
     inv_scale = 1.0 / scale.float()
     pre = torch.where(wide, 0.5, 1.0)[:, None]
@@ -173,13 +203,9 @@ def quantize_per_group_ref(
     t = torch.where(t < max_code, t, float(max_code))
     u = _uniform01(seed, values.shape[0], group_size, x.device) if stochastic else 0.5
     codes = torch.clamp((t + u).to(torch.int32), max=max_code)
-    codes = torch.where(finite[:, None], codes, 0)
-    nan = _bits16_to(torch.full_like(finite, _PARAM_NAN, dtype=torch.int32), param_dtype)
-    return (
-        _pack_codes(codes, bits, x.numel()),
-        torch.where(finite, scale, nan),
-        torch.where(finite, offset, nan),
-    )
+    codes = torch.where(special[:, None], torch.clamp(codes, max=finite_max_code), codes)
+    codes = _special_codes(values, codes, max_code, max_code - 1, max_code - 2)
+    return _pack_codes(codes, bits, x.numel()), _flagged(scale, special), offset
 
 
 def dequantize_per_group_ref(
@@ -198,26 +224,31 @@ def dequantize_per_group_ref(
     for s in shape:
         numel *= s
     group_size = effective_group_size(numel, group_size)
-    q = _unpack_codes(codes, bits, numel).float()
+    max_code = (1 << bits) - 1
+    q = _unpack_codes(codes, bits, numel)
     o, s = _per_element(offset, group_size, numel), _per_element(scale, group_size, numel)
-    product = q * s
-    values = torch.where(torch.isfinite(product), o + product, (o * 0.5 + q * (s * 0.5)) * 2.0)
-    return _to_output(values, torch.isfinite(o) & torch.isfinite(s), dtype, shape)
+    special = s < 0
+    s = torch.where(special, -s, s)
+    product = q.float() * s
+    values = torch.where(torch.isfinite(product), o + product, (o * 0.5 + q.float() * (s * 0.5)) * 2.0)
+    specials = (special & (q == max_code), special & (q == max_code - 1), special & (q == max_code - 2))
+    return _to_output(values, torch.isfinite(o) & torch.isfinite(s), dtype, shape, specials)
 
 
 def quantize_fp8_per_group_ref(x: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference of fastckpt::quantize_fp8_per_group: (e4m3 codes as uint8, power-of-two bf16 scale)."""
-    values, lo, hi, finite = _grouped(x, effective_group_size(x.numel(), group_size))
+    values, lo, hi, special = _grouped(x, effective_group_size(x.numel(), group_size))
     amax = torch.maximum(lo.view(torch.int32) & 0x7FFFFFFF, hi.view(torch.int32) & 0x7FFFFFFF)
-    # the smallest e with amax / 2^e <= 448 = 1.75 * 2^8, read off amax's exponent and mantissa bits
-    e = (amax >> 23) - torch.where((amax & 0x7FFFFF) <= 0x600000, 135, 134)
+    # the smallest e with amax / 2^e <= 448 = 1.75 * 2^8 (special groups: 416 = 1.625 * 2^8, below the
+    # reserved codes), read off amax's exponent and mantissa bits
+    e = (amax >> 23) - torch.where((amax & 0x7FFFFF) <= torch.where(special, 0x500000, 0x600000), 135, 134)
     e = torch.clamp(e, min=-126).to(torch.int32)
     inv_scale = ((127 - e) << 23).view(torch.float32)
     scale = ((127 + e) << 23).view(torch.float32).to(torch.bfloat16)
-    codes = (values * inv_scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8)
-    codes = torch.where(finite[:, None], codes, 0).reshape(-1)[: x.numel()]
-    nan = _bits16_to(torch.full_like(finite, _PARAM_NAN, dtype=torch.int32), torch.bfloat16)
-    return codes, torch.where(finite, scale, nan)
+    finite_values = torch.where(torch.isfinite(values), values, 0.0)
+    codes = (finite_values * inv_scale[:, None]).to(torch.float8_e4m3fn).view(torch.uint8).to(torch.int32)
+    codes = _special_codes(values, codes, 0x7F, 0x7E, 0xFE).to(torch.uint8)
+    return codes.reshape(-1)[: x.numel()], _flagged(scale, special)
 
 
 def dequantize_fp8_per_group_ref(
@@ -226,5 +257,8 @@ def dequantize_fp8_per_group_ref(
     """Reference of fastckpt::dequantize_fp8_per_group: code * scale in float32 (exact, or Inf), clamped
     to dtype's finite range, rounded to dtype; all-NaN where the group's scale is not finite."""
     s = _per_element(scale, effective_group_size(codes.numel(), group_size), codes.numel())
-    values = codes.view(torch.float8_e4m3fn).float() * s
-    return _to_output(values, torch.isfinite(s), dtype, shape)
+    special = s < 0
+    values = codes.view(torch.float8_e4m3fn).float() * torch.where(special, -s, s)
+    q = codes.to(torch.int32)
+    specials = (special & ((q & 0x7F) == 0x7F), special & (q == 0x7E), special & (q == 0xFE))
+    return _to_output(values, torch.isfinite(s), dtype, shape, specials)

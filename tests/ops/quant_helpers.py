@@ -114,6 +114,8 @@ def assert_bitwise_equal(actual: tuple[torch.Tensor, ...], expected: tuple[torch
 
 
 FP32_EPS = torch.finfo(torch.float32).eps
+# The canonical quiet NaN of each dtype, as bits: what every decode gives for NaN.
+CANONICAL_NAN = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 BF16_LOWEST = torch.finfo(torch.bfloat16).min
 
 

@@ -7,11 +7,13 @@ import torch
 from fastckpt.ops import FP8_DEFAULT_GROUP_SIZE, dequantize_fp8_per_group, quantize_fp8_per_group
 from fastckpt.ops.reference import dequantize_fp8_per_group_ref, quantize_fp8_per_group_ref
 from tests.ops.quant_helpers import (
+    CANONICAL_NAN,
     DEVICES,
     DTYPES,
     SHAPES,
     assert_bitwise_equal,
     assert_fp8_within_half_step,
+    bitwise,
     sample,
     stored_bits_per_element,
 )
@@ -76,13 +78,24 @@ def test_each_value_rounds_once_to_the_nearest_e4m3_step(dtype, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_nan_and_inf_turn_their_whole_group_into_nan(dtype, device):
-    x = sample((5, 64), dtype, "cpu")
+def test_nan_and_inf_survive_and_their_group_keeps_its_finite_values(dtype, device):
+    x = sample((6, 64), dtype, "cpu") * 100
     x[1, 5], x[2, 0], x[3, 63] = float("nan"), float("inf"), float("-inf")
+    x[4, ::2] = float("-inf")  # an additive mask's padding
+    x[5] = float("inf")  # a group with no finite element
     x = x.to(device)
-    _, y = round_trip(x, 64)
-    assert y[1:4].isnan().all()
-    assert torch.isfinite(y[0]).all() and torch.isfinite(y[4]).all()
+    (codes, scale), y = round_trip(x, 64)
+    assert_bitwise_equal((codes, scale), quantize_fp8_per_group_ref(x, 64))
+    assert_bitwise_equal((y,), (dequantize_fp8_per_group_ref(codes, scale, 64, dtype, list(x.shape)),))
+    infinite = torch.isinf(x)
+    assert torch.equal(y[infinite], x[infinite]) and torch.equal(torch.isnan(y), torch.isnan(x))
+    assert (bitwise(y)[torch.isnan(x).cpu()] == CANONICAL_NAN[dtype]).all()
+    assert (scale.cpu() < 0).tolist() == [False, True, True, True, True, True]  # the sign flags them
+    finite = torch.isfinite(x)
+    assert_fp8_within_half_step(x[finite], scale.abs().repeat_interleave(64)[finite.reshape(-1)], y[finite], 1)
+    # no finite element of a special group takes a reserved code (+-448 and NaN)
+    magnitude = codes.cpu().reshape(x.shape)[finite.cpu()] & 0x7F
+    assert int(magnitude.max()) <= 0x7D
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -9,12 +9,16 @@ import torch
 from fastckpt.ops import DEFAULT_GROUP_SIZE, dequantize_per_group, quantize_per_group
 from fastckpt.ops.reference import dequantize_per_group_ref, quantize_per_group_ref
 from tests.ops.quant_helpers import (
+    CANONICAL_NAN,
     DEVICES,
     DTYPES,
     SHAPES,
     assert_bitwise_equal,
     assert_within_half_step,
+    bitwise,
+    half_ulp,
     hard_groups,
+    per_element,
     sample,
     steps_and_evaluation_error,
     stored_bits_per_element,
@@ -90,16 +94,33 @@ def test_stochastic_rounding_is_unbiased_and_reproducible(bits):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", BITS)
-def test_nan_and_inf_turn_their_whole_group_into_nan(bits, dtype, device):
-    x = sample((5, 64), dtype, "cpu")
+def test_nan_and_inf_survive_and_their_group_keeps_its_finite_values(bits, dtype, device):
+    x = sample((6, 64), dtype, "cpu")
     x[1, 5], x[2, 0], x[3, 63] = float("nan"), float("inf"), float("-inf")
+    x[4, ::2] = float("-inf")  # an additive mask's padding
+    x[5] = float("-inf")  # a group with no finite element
     x = x.to(device)
     stored, y = round_trip(x, bits, 64)
-    assert y[1:4].isnan().all()
-    assert torch.isfinite(y[0]).all() and torch.isfinite(y[4]).all()
-    healthy = torch.stack([x[0], x[4]])
+    assert_bitwise_equal(stored, quantize_per_group_ref(x, bits, 64))
+    assert_bitwise_equal((y,), (dequantize_per_group_ref(*stored, bits, 64, dtype, list(x.shape)),))
+    infinite = torch.isinf(x)
+    assert torch.equal(y[infinite], x[infinite]) and torch.equal(torch.isnan(y), torch.isnan(x))
+    assert (bitwise(y)[torch.isnan(x).cpu()] == CANONICAL_NAN[dtype]).all()
+    special = (stored[1].cpu() < 0).tolist()
+    assert special == [False, True, True, True, True, True]  # the sign of the scale flags them
+    # finite elements keep the bound of their group's grid (the stored scale's magnitude)
+    finite = torch.isfinite(x).cpu().reshape(-1)
+    magnitude = (stored[0], stored[1].abs(), stored[2])
+    step, evaluation = steps_and_evaluation_error(magnitude, bits, 64, x.numel())
+    error = (x.cpu().reshape(-1).double() - y.cpu().reshape(-1).double()).abs()[finite]
+    # int2 keeps one code for a special group's finite elements: they decode to its minimum rounded down
+    finite_max = torch.where(torch.isfinite(x), x, float("-inf")).cpu().double().amax(1)
+    spread = per_element(finite_max, 64, x.numel()) - per_element(stored[2].cpu(), 64, x.numel())
+    bound = (step / 2 if bits > 2 else spread) + evaluation + half_ulp(y.cpu().reshape(-1).double(), dtype)
+    assert (error <= bound[finite]).all()
+    healthy = x[0:1]
     y_healthy = dequantize_per_group(*quantize_per_group(healthy, bits, 64), bits, 64, dtype, healthy.shape)
-    assert torch.equal(torch.stack([y[0], y[4]]), y_healthy)  # other groups are untouched
+    assert torch.equal(y[0:1], y_healthy)  # other groups are untouched
 
 
 @pytest.mark.parametrize("device", DEVICES)
