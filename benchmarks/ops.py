@@ -91,6 +91,48 @@ def _cases(x: torch.Tensor) -> list[Case]:
     return cases
 
 
+def _special_cases(x: torch.Tensor) -> list[Case]:
+    """quantize/dequantize int8 and fp8 of x with -inf at every 7th element, so that every group holds
+    non-finite values (an additive attention mask's padding): the cost of carrying them, against the same
+    ops on finite x, whose groups find none in the min/max pass they run anyway."""
+    masked = x.clone()
+    masked.view(-1)[::7] = float("-inf")
+    label = f"{str(x.dtype).removeprefix('torch.')}-inf"
+    group = DEFAULT_GROUP_SIZE[8]
+    stored = quantize_per_group(masked, 8, group)
+    fp8 = quantize_fp8_per_group(masked, FP8_DEFAULT_GROUP_SIZE)
+    return [
+        Case("quantize_int8", label, lambda: quantize_per_group(masked, 8, group), _nbytes(masked, *stored)),
+        Case(
+            "dequantize_int8",
+            label,
+            lambda: dequantize_per_group(*stored, 8, group, x.dtype, x.shape),
+            _nbytes(masked, *stored),
+        ),
+        Case(
+            "quantize_fp8", label, lambda: quantize_fp8_per_group(masked, FP8_DEFAULT_GROUP_SIZE), _nbytes(masked, *fp8)
+        ),
+        Case(
+            "dequantize_fp8",
+            label,
+            lambda: dequantize_fp8_per_group(*fp8, FP8_DEFAULT_GROUP_SIZE, x.dtype, x.shape),
+            _nbytes(masked, *fp8),
+        ),
+    ]
+
+
+def _special_summary(rows: list[dict]) -> str:
+    """Per op: the extra milliseconds per GB of input when every group holds -inf, at the largest size."""
+    size = max(r["size_mb"] for r in rows)
+    timed = {(r["op"], r["dtype"]): r["time_ms"] for r in rows if r["size_mb"] == size}
+    parts = []
+    for (op, dtype), special_ms in sorted(timed.items()):
+        if dtype.endswith("-inf") and (op, dtype.removesuffix("-inf")) in timed:
+            extra = (special_ms - timed[op, dtype.removesuffix("-inf")]) / (size / 1024)
+            parts.append(f"{op} {dtype.removesuffix('-inf')} {extra:+.1f} ms/GB")
+    return f"non-finite groups ({size} MB, every group holding -inf vs finite): " + ", ".join(parts)
+
+
 def _seconds(fn: Callable[[], object], cuda: bool) -> float:
     """Wall time of one call; CUDA calls are timed with events on the current stream."""
     if cuda:
@@ -156,11 +198,11 @@ def _reuse_freed_host_memory() -> bool:
 
 
 def _format_table(rows: list[dict]) -> str:
-    header = f"{'op':<16}{'dtype':<10}{'size MB':>8}{'time ms':>10}{'GB/s':>9}{'memcpy':>9}{'eta':>7}"
+    header = f"{'op':<16}{'dtype':<14}{'size MB':>8}{'time ms':>10}{'GB/s':>9}{'memcpy':>9}{'eta':>7}"
     lines = [header, "-" * len(header)]
     for r in rows:
         lines.append(
-            f"{r['op']:<16}{r['dtype']:<10}{r['size_mb']:>8}{r['time_ms']:>10.3f}{r['gb_s']:>9.1f}"
+            f"{r['op']:<16}{r['dtype']:<14}{r['size_mb']:>8}{r['time_ms']:>10.3f}{r['gb_s']:>9.1f}"
             f"{r['memcpy_gb_s']:>9.1f}{r['eta']:>7.2f}"
         )
     return "\n".join(lines)
@@ -181,7 +223,8 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
         memcpy = _memcpy(size_bytes, dev)
         for dtype in DTYPES:
             x = torch.randn(size_bytes // torch.tensor([], dtype=dtype).element_size(), device=dev).to(dtype)
-            for case in _cases(x):
+            cases = _cases(x) + (_special_cases(x) if dtype == torch.bfloat16 else [])
+            for case in cases:
                 seconds, copy_seconds = _with_baseline(case.run, memcpy, dev)
                 rate, copy_rate = case.bytes_moved / seconds, 2 * size_bytes / copy_seconds
                 rows.append(
@@ -200,6 +243,7 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
             del x
         del memcpy
     print(_format_table(rows))
+    print(_special_summary(rows))
     eta, from_mb = ETA_TARGET.get(dev.type, ETA_TARGET["cuda"])
     judged = [r for r in rows if r["size_mb"] >= from_mb]
     met = sum(r["eta"] >= eta for r in judged)
