@@ -22,6 +22,10 @@ TORCH_LIBRARY(fastckpt, m) {
   // (element i at bit (i % (8/bits)) * bits of byte i*bits/8). bits is 8, 4 or 2; group_size a positive
   // multiple of 8/bits, at most 2^31 - 1. Rounding is to nearest, or with stochastic=True unbiased stochastic
   // rounding driven by a counter-based hash of (seed, group, index): same seed, same codes, on every device.
+  // Zero is exact: where the grid reaches 0, the code 0 rounds to (the zero code, -offset / scale to nearest,
+  // found from the stored parameters alone) decodes to exactly 0; it errs by at most one scale, and stochastic
+  // rounding next to it picks between the neighbouring values so that it stays unbiased (at most 1.5 scales
+  // away). A constant group is exact for 16-bit inputs (offset = the value).
   // Error bound (round to nearest), with scale and offset as stored: |x - decoded| <= scale / 2, plus a few
   // float32 ulps of |offset| + (2^bits - 1) * scale, plus the rounding of the decoded value to its dtype.
   // It holds up to each dtype's maximum: finite groups always get finite parameters and decode to finite
@@ -39,8 +43,9 @@ TORCH_LIBRARY(fastckpt, m) {
       "quantize_per_group(Tensor x, int bits, int group_size, bool stochastic=False, int seed=0) -> "
       "(Tensor codes, Tensor scale, Tensor offset)");
   // Inverse of quantize_per_group: a contiguous tensor of `shape` and `dtype` (float32/float16/bfloat16),
-  // element = offset + code * scale rounded once to float32 (the product is exact; where it overflows
-  // float32 the sum is taken on halves), clamped to dtype's finite range, then rounded to dtype: finite
+  // element = offset + code * scale rounded once to float32 (exactly 0 for the zero code; the product is
+  // exact; where it overflows float32 the sum is taken on halves), clamped to dtype's finite range, then
+  // rounded to dtype: finite
   // parameters never decode to Inf, and the clamp only moves values toward the original. A group whose
   // scale or offset is NaN or Inf decodes to dtype's canonical quiet NaN (0x7FC00000, 0x7E00, 0x7FC0). In a
   // group whose scale is negative (special), the reserved codes decode to +Inf, -Inf and the canonical NaN

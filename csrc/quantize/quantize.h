@@ -307,11 +307,16 @@ FASTCKPT_HD float uniform01(uint32_t group_key, uint32_t index_in_group) {
 
 // A group's parameters; encode reads only offset, inv_scale = 1 / scale and wide (fp8: offset 0,
 // offset_bits unused, never wide). scale is positive; scale_bits, as stored, is negated for special groups.
+// zero_code: the code that decodes to exactly 0 (kNoZeroCode when the grid does not reach 0).
 struct GroupParams {
   float offset, scale, inv_scale;
   uint32_t offset_bits, scale_bits;  // as stored: 16-bit float patterns
   bool special, wide;
+  uint32_t zero_code;
 };
+
+// No code decodes to exactly 0 specially (a code never reaches 256).
+constexpr uint32_t kNoZeroCode = 0x100u;
 
 // The sign bit of a stored 16-bit scale (bf16 and fp16 alike): set for special groups.
 constexpr uint32_t kSpecialFlag = 0x8000u;
@@ -319,6 +324,11 @@ constexpr uint32_t kSpecialFlag = 0x8000u;
 // Asymmetric per-group integer codes: x ~= offset + code * scale, code in [0, 2^bits - 1].
 // Offset is rounded down and scale up to the stored 16-bit format, and codes are computed from the
 // stored values, so the grid covers [min, max] and round-to-nearest errs by at most scale / 2.
+// Zero is exact: where the grid reaches 0, the code nearest 0 (the one 0 encodes to) decodes to exactly
+// 0 instead of its grid value, which is within scale / 2 of it, so that code errs by at most one scale.
+// (An activation's exact zeros, e.g. a LayerNorm input's all-zero rows, where the norm's backward
+// multiplies any error by its 1/std, stay zero.) A constant group is exact for 16-bit inputs (offset =
+// the value, code 0); float32 inputs round it to the 16-bit offset's grid, as any value.
 // Nothing overflows for finite data: the offset saturates at the format's lowest value (fp32 values
 // below bf16's lowest then decode to it), and a group whose max - offset exceeds float32's range
 // ("wide") computes its step, and its codes, from halves of the values (exact: such values are large).
@@ -356,12 +366,43 @@ struct AffineCodec {
     const uint32_t scale_bits = param_round_up(step > 1.17549435e-38f ? step : 1.17549435e-38f, bf16);
     const float scale = param_to_float(scale_bits, bf16);
     const float inv_scale = div_rn(1.0f, scale);
-    return Params{offset, scale, inv_scale, offset_bits, scale_bits | (special ? kSpecialFlag : 0u), special, wide};
+    return Params{offset,  scale, inv_scale, offset_bits, scale_bits | (special ? kSpecialFlag : 0u),
+                  special, wide,  zero_code(offset, scale, inv_scale, special)};
+  }
+
+  // The code 0 encodes to when the grid [offset, offset + top code * scale] holds 0 (kNoZeroCode otherwise),
+  // from the stored parameters alone, so that encoder and decoder agree: -offset * (1/scale) rounded to
+  // nearest, as encode rounds 0 on either of its paths (halving both factors changes no rounding).
+  FASTCKPT_HD static uint32_t zero_code(float offset, float scale, float inv_scale, bool special) {
+    const uint32_t top = special ? kFiniteMaxCode : kMaxCode;
+    const uint32_t nearest = code_of(mul_rn(-offset, inv_scale), 0.5f);
+    const bool reaches = offset <= 0.f && decode_any(offset, scale, top) >= 0.f;
+    return reaches ? (nearest < top ? nearest : top) : kNoZeroCode;
   }
 
   // Any group.
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float u) {
     return p.wide ? encode_wide(p, x, u) : encode_narrow(p, x, u);
+  }
+
+  // Stochastic rounding (u uniform in [0, 1)): floor(t + u) on the grid, except between the zero code's
+  // neighbours, where the zero code's value (0) sits at t0 = -offset / scale instead of at its index:
+  // there x rounds to one of the two values around it with the probabilities that keep it unbiased.
+  FASTCKPT_HD static uint32_t encode_stochastic(const Params& p, float x, float u) {
+    const float t = p.wide ? mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(p.offset, 0.5f)), mul_rn(p.inv_scale, 2.0f))
+                           : mul_rn(sub_rn(x, p.offset), p.inv_scale);
+    const uint32_t uniform = code_of(t, u);
+    if (p.zero_code == kNoZeroCode) return uniform;
+    const uint32_t k0 = p.zero_code, top = p.special ? kFiniteMaxCode : kMaxCode;
+    const float k = static_cast<float>(static_cast<int32_t>(k0));
+    const float t0 = mul_rn(-p.offset, p.inv_scale);  // where 0 is; within half a step of k
+    const bool below = t < t0;
+    const float a = below ? sub_rn(k, 1.0f) : t0, b = below ? t0 : add_rn(k, 1.0f);  // b - a >= 1/2
+    const bool up = add_rn(div_rn(sub_rn(t, a), sub_rn(b, a)), u) >= 1.0f;
+    uint32_t near = below ? (up ? k0 : k0 - 1u) : (up ? k0 + 1u : k0);
+    near = (below && k0 == 0u) || (!below && k0 == top) ? k0 : near;  // no value beyond the grid's end
+    const bool inside = t > sub_rn(k, 1.0f) && t < add_rn(k, 1.0f);
+    return inside ? near : uniform;
   }
 
   // Wide groups: (x/2 - offset/2) * (2/scale), where x - offset could overflow.
@@ -411,9 +452,9 @@ struct AffineCodec {
   }
 
   // The code of x in a special group: reserved codes for NaN and +-Inf, the grid's for the rest.
-  FASTCKPT_HD static uint32_t encode_special(const Params& p, float x, float u) {
+  FASTCKPT_HD static uint32_t encode_special(const Params& p, float x, float u, bool stochastic) {
     const uint32_t bits = float_bits(x) & 0x7FFFFFFFu;
-    const uint32_t code = encode(p, x, u);
+    const uint32_t code = stochastic ? encode_stochastic(p, x, u) : encode(p, x, u);
     const uint32_t finite_code = code < static_cast<uint32_t>(kFiniteMaxCode) ? code : kFiniteMaxCode;
     const uint32_t inf_code = float_bits(x) >> 31 ? kNegInfCode : kPosInfCode;
     return bits > 0x7F800000u ? kNaNCode : bits == 0x7F800000u ? inf_code : finite_code;
@@ -448,7 +489,7 @@ struct Fp8Codec {
     const float inv_scale = float_from_bits(static_cast<uint32_t>(127 - e) << 23);
     const float scale = float_from_bits(static_cast<uint32_t>(127 + e) << 23);
     const uint32_t scale_bits = (static_cast<uint32_t>(127 + e) << 7) | (special ? kSpecialFlag : 0u);
-    return Params{0.f, scale, inv_scale, 0u, scale_bits, special, false};
+    return Params{0.f, scale, inv_scale, 0u, scale_bits, special, false, kNoZeroCode};  // 0 is code 0 already
   }
 
   FASTCKPT_HD static uint32_t encode(const Params& p, float x, float /*u*/) {
@@ -468,7 +509,9 @@ struct Fp8Codec {
     return scale > 0.f && top <= limit;
   }
 
-  FASTCKPT_HD static uint32_t encode_special(const Params& p, float x, float u) {
+  FASTCKPT_HD static uint32_t encode_stochastic(const Params& p, float x, float u) { return encode(p, x, u); }
+
+  FASTCKPT_HD static uint32_t encode_special(const Params& p, float x, float u, bool /*stochastic: never*/) {
     const uint32_t bits = float_bits(x) & 0x7FFFFFFFu;
     const uint32_t inf_code = float_bits(x) >> 31 ? kNegInfCode : kPosInfCode;
     return bits > 0x7F800000u ? kNaNCode : bits == 0x7F800000u ? inf_code : encode(p, x, u);
@@ -485,11 +528,11 @@ FASTCKPT_HD float decode_saturated(float offset, float scale, uint32_t code, flo
 }
 
 // The decoded value of one code of a special group (abs_scale: its scale without the flag), in float32:
-// its reserved codes give NaN and +-Inf, the others decode_saturated.
+// its reserved codes give NaN and +-Inf, the others decode_saturated (zero: the group's zero code).
 template <typename Codec>
-FASTCKPT_HD float decode_special(float offset, float abs_scale, uint32_t code, float limit) {
+FASTCKPT_HD float decode_special(float offset, float abs_scale, uint32_t code, float limit, uint32_t zero) {
   const float inf = float_from_bits(0x7F800000u);
-  const float value = decode_saturated<Codec>(offset, abs_scale, code, limit);
+  const float value = code == zero ? 0.f : decode_saturated<Codec>(offset, abs_scale, code, limit);
   const bool nan = code == Codec::kNaNCode || (!Codec::kHasOffset && (code & 0x7Fu) == 0x7Fu);  // e4m3: both NaNs
   const float special = code == Codec::kPosInfCode ? inf : code == Codec::kNegInfCode ? -inf : value;
   return nan ? float_from_bits(kFloatQuietNaN) : special;
@@ -497,6 +540,18 @@ FASTCKPT_HD float decode_special(float offset, float abs_scale, uint32_t code, f
 
 // Whether a group's stored scale flags it special (a negative scale; NaN parameters are not special).
 FASTCKPT_HD bool is_special_scale(float scale) { return scale < 0.f; }
+
+// The zero code of a group as the decoder sees it: from its stored offset and scale (negative: special).
+template <typename Codec>
+FASTCKPT_HD uint32_t stored_zero_code(float offset, float scale) {
+  if constexpr (Codec::kHasOffset) {
+    const float magnitude = scale < 0.f ? -scale : scale;
+    const bool ok = is_finite_float(offset) && is_finite_float(scale);
+    return ok ? Codec::zero_code(offset, magnitude, div_rn(1.0f, magnitude), scale < 0.f) : kNoZeroCode;
+  } else {
+    return kNoZeroCode;
+  }
+}
 
 // Runs `body` with scalar_t bound to the input's C++ type (float32, float16, bfloat16 only).
 #define FASTCKPT_DISPATCH_FLOAT_TYPES(TYPE, NAME, ...)                                                   \

@@ -183,7 +183,10 @@ FASTCKPT_HD void encode_group(const T* __restrict__ src, uint8_t* __restrict__ o
   for (int64_t i = 0; i < n; ++i) {
     const float u = kStochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
     const float x = to_float(src[i]);
-    out[i] = static_cast<uint8_t>(kWide ? Codec::encode_wide(p, x, u) : Codec::encode_narrow(p, x, u));
+    const uint32_t code = kStochastic ? Codec::encode_stochastic(p, x, u)
+                          : kWide     ? Codec::encode_wide(p, x, u)
+                                      : Codec::encode_narrow(p, x, u);
+    out[i] = static_cast<uint8_t>(code);
   }
 }
 
@@ -228,11 +231,13 @@ using BlockValue = std::conditional_t<std::is_same_v<T, c10::Half>, float, T>;
 template <typename T, typename Codec, bool kMayBeWide>
 FASTCKPT_HD void encode_block(const T* src, uint8_t* unpacked, int64_t count, int64_t group_size, int64_t groups,
                               int64_t g0, const float* offsets, const float* inv_scales, const int32_t* special,
-                              const int32_t* wide, bool stochastic, uint32_t seed_key, float* values) {
+                              const int32_t* wide, const uint32_t* zero_codes, bool stochastic, uint32_t seed_key,
+                              float* values) {
   int64_t widened_from = 0;  // fp16: values holds the block's elements from here on, as fp32
   for (int64_t b = 0; b < groups; ++b) {
     const int64_t at = b * group_size, n = std::min(group_size, count - at);
-    const GroupParams p{offsets[b], 0.f, inv_scales[b], 0u, 0u, special[b] != 0, kMayBeWide && wide[b] != 0};
+    const GroupParams p{offsets[b],     0.f, inv_scales[b], 0u, 0u, special[b] != 0, kMayBeWide && wide[b] != 0,
+                        zero_codes[b]};
     const BlockValue<T>* encoded = nullptr;
     if constexpr (std::is_same_v<T, c10::Half>) {
       // widened a few groups at a time, so that they are still in L1 when encoded
@@ -249,7 +254,7 @@ FASTCKPT_HD void encode_block(const T* src, uint8_t* unpacked, int64_t count, in
       const uint32_t key = stochastic ? group_key(seed_key, g0 + b) : 0u;
       for (int64_t i = 0; i < n; ++i) {
         const float u = stochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
-        unpacked[at + i] = static_cast<uint8_t>(Codec::encode_special(p, to_float(encoded[i]), u));
+        unpacked[at + i] = static_cast<uint8_t>(Codec::encode_special(p, to_float(encoded[i]), u, stochastic));
       }
     } else if (kMayBeWide && p.wide) {
       if (stochastic) {
@@ -277,6 +282,7 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
   float lo[kMaxBlockGroups], hi[kMaxBlockGroups], offsets[kMaxBlockGroups], inv_scales[kMaxBlockGroups];
   // int32, not bool: keeps the parameter loop in one vector width
   int32_t special[kMaxBlockGroups], wide[kMaxBlockGroups];
+  uint32_t zero_codes[kMaxBlockGroups];
   typename Keys<T>::Key lo_keys[kMaxBlockGroups], hi_keys[kMaxBlockGroups];
   for (int64_t g0 = begin; g0 < end; g0 += block) {
     const int64_t groups = std::min(block, end - g0);
@@ -307,6 +313,7 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
       const GroupParams p = Codec::make(lo[b], hi[b], special[b] != 0, kBf16Params);
       offsets[b] = p.offset;
       inv_scales[b] = p.inv_scale;
+      zero_codes[b] = p.zero_code;
       wide[b] = p.wide;
       any_wide |= wide[b];
       scale[g0 + b] = static_cast<uint16_t>(p.scale_bits);
@@ -317,10 +324,10 @@ FASTCKPT_CPU_CLONES void quantize_groups(const T* x, uint8_t* codes, uint16_t* s
     // Wide groups (rare) get their own loop; a block without any runs the plain one and tests nothing per group.
     if (Codec::kCanBeWide && any_wide) {
       encode_block<T, Codec, true>(src, unpacked, count, group_size, groups, g0, offsets, inv_scales, special, wide,
-                                   stochastic, seed_key, values);
+                                   zero_codes, stochastic, seed_key, values);
     } else {
       encode_block<T, Codec, false>(src, unpacked, count, group_size, groups, g0, offsets, inv_scales, special, wide,
-                                    stochastic, seed_key, values);
+                                    zero_codes, stochastic, seed_key, values);
     }
     if constexpr (kPerByte > 1) {
       std::fill_n(scratch + count, kPerByte, uint8_t{0});  // zero bits after the tensor's last code
@@ -364,6 +371,7 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
     for (int64_t b = 0; b < groups; ++b) {
       const int64_t at = b * group_size, n = std::min(group_size, count - at);
       const float s = scales[b], o = Codec::kHasOffset ? offsets[b] : 0.f;
+      const uint32_t zero = stored_zero_code<Codec>(o, s);
       const uint8_t* __restrict__ q = unpacked + at;
       BlockValue<T>* y = nullptr;
       if constexpr (std::is_same_v<T, c10::Half>) {
@@ -383,21 +391,26 @@ FASTCKPT_CPU_CLONES void dequantize_groups(const uint8_t* codes, const uint16_t*
           std::fill_n(y, n, from_float<BlockValue<T>>(float_from_bits(kFloatQuietNaN)));
         } else if (is_special_scale(s)) {
           // A group that held NaN or +-Inf: its reserved codes decode to them.
-          for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(decode_special<Codec>(o, -s, q[i], limit));
+          for (int64_t i = 0; i < n; ++i) {
+            y[i] = from_float<BlockValue<T>>(decode_special<Codec>(o, -s, q[i], limit, zero));
+          }
         } else {
           // Some code would leave T's finite range (values near the dtype's maximum, or code * scale
           // beyond float32): clamped decoding. Rare; the loops below skip the clamp.
-          for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(decode_saturated<Codec>(o, s, q[i], limit));
+          for (int64_t i = 0; i < n; ++i) {
+            y[i] = from_float<BlockValue<T>>(q[i] == zero ? 0.f : decode_saturated<Codec>(o, s, q[i], limit));
+          }
         }
         continue;
       }
+      // The zero code decodes to exactly 0 (fp8: none; a select the loop vectorizes).
       if constexpr (std::is_same_v<T, c10::BFloat16>) {
         for (int64_t i = 0; i < n; ++i) {
-          y[i] = c10::BFloat16(static_cast<uint16_t>(non_nan_to_bf16_bits(Codec::decode(o, s, q[i]))),
-                               c10::BFloat16::from_bits());
+          const float v = q[i] == zero ? 0.f : Codec::decode(o, s, q[i]);
+          y[i] = c10::BFloat16(static_cast<uint16_t>(non_nan_to_bf16_bits(v)), c10::BFloat16::from_bits());
         }
       } else {
-        for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(Codec::decode(o, s, q[i]));
+        for (int64_t i = 0; i < n; ++i) y[i] = from_float<BlockValue<T>>(q[i] == zero ? 0.f : Codec::decode(o, s, q[i]));
       }
     }
     if constexpr (std::is_same_v<T, c10::Half>) float_to_half(values, out + first + narrowed_to, count - narrowed_to);

@@ -91,7 +91,9 @@ __device__ __forceinline__ void encode_chunk(const float (&vals)[V], uint8_t* __
     if (c + v < n) {
       const float u = stochastic ? uniform01(key, static_cast<uint32_t>(c + v)) : 0.5f;
       // a special group's NaN and +-Inf take reserved codes
-      const uint32_t code = p.special ? Codec::encode_special(p, vals[v], u) : Codec::encode(p, vals[v], u);
+      const uint32_t code = p.special   ? Codec::encode_special(p, vals[v], u, stochastic)
+                            : stochastic ? Codec::encode_stochastic(p, vals[v], u)
+                                         : Codec::encode(p, vals[v], u);
       packed |= static_cast<uint64_t>(code) << (v * Codec::kBits);
     }
   }
@@ -179,10 +181,11 @@ __device__ __forceinline__ int64_t group_of_chunk(int64_t chunk, int64_t chunks_
 // group's reserved codes as NaN and +-Inf, and the canonical NaN for NaN (a device conversion of a NaN
 // could give other bits) and for non-finite parameters.
 template <typename T, typename Codec>
-__device__ __forceinline__ T decode_to(float o, float s, uint32_t code) {
+__device__ __forceinline__ T decode_to(float o, float s, uint32_t zero, uint32_t code) {
   const bool special = is_special_scale(s);
-  const float y = special ? decode_special<Codec>(o, -s, code, finite_max<T>())
-                          : decode_saturated<Codec>(o, s, code, finite_max<T>());
+  const float y = special ? decode_special<Codec>(o, -s, code, finite_max<T>(), zero)
+                  : code == zero ? 0.f
+                                 : decode_saturated<Codec>(o, s, code, finite_max<T>());
   return is_finite_float(o) && is_finite_float(s) && (float_bits(y) & 0x7FFFFFFFu) <= 0x7F800000u ? from_float<T>(y)
                                                                                                  : quiet_nan<T>();
 }
@@ -199,7 +202,7 @@ __device__ __forceinline__ void dequantize_elements(const uint8_t* __restrict__ 
     const float s = param_to_float(scale[g], bf16_params);
     const float o = Codec::kHasOffset ? param_to_float(offset[g], bf16_params) : 0.f;
     const uint32_t code = (codes[i * kBits / 8] >> ((i % (8 / kBits)) * kBits)) & ((1u << kBits) - 1);
-    out[i] = decode_to<T, Codec>(o, s, code);
+    out[i] = decode_to<T, Codec>(o, s, stored_zero_code<Codec>(o, s), code);
   }
 }
 
@@ -234,11 +237,12 @@ __global__ void __launch_bounds__(kThreads)
       const int64_t g = group_of_chunk(t, group_size / V);  // one group per chunk: group_size % V == 0
       const float s = param_to_float(scale[g], bf16_params);
       const float o = Codec::kHasOffset ? param_to_float(offset[g], bf16_params) : 0.f;
+      const uint32_t zero = stored_zero_code<Codec>(o, s);
       uint4 raw;
       T* vals = reinterpret_cast<T*>(&raw);
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        vals[v] = decode_to<T, Codec>(o, s, static_cast<uint32_t>(packed[k] >> (v * kBits)) & kMask);
+        vals[v] = decode_to<T, Codec>(o, s, zero, static_cast<uint32_t>(packed[k] >> (v * kBits)) & kMask);
       }
       *reinterpret_cast<uint4*>(out + t * V) = raw;
     }

@@ -69,6 +69,47 @@ def _special_codes(values: torch.Tensor, codes: torch.Tensor, nan: int, pos_inf:
     return torch.where(torch.isnan(values), nan, codes)
 
 
+_NO_ZERO_CODE = 0x100  # quantize.h's kNoZeroCode: no code of the group decodes to exactly 0
+
+
+def _zero_codes(offset: torch.Tensor, scale: torch.Tensor, special: torch.Tensor, max_code: int) -> torch.Tensor:
+    """Per group (float32 offset, positive float32 scale): the code that decodes to exactly 0, the one 0 rounds
+    to (-offset * (1/scale) to nearest), where the grid reaches 0; _NO_ZERO_CODE elsewhere."""
+    top = torch.where(special, max_code - 3, max_code)
+    nearest = torch.clamp(torch.clamp(-offset * (1.0 / scale), min=0.0) + 0.5, max=float(max_code)).to(torch.int32)
+    nearest = torch.minimum(nearest, top)
+    product = top.float() * scale
+    halves = (offset * 0.5 + top.float() * (scale * 0.5)) * 2.0
+    top_value = torch.where(torch.isfinite(product), offset + product, halves)
+    reaches = (offset <= 0) & (top_value >= 0) & torch.isfinite(offset) & torch.isfinite(scale)
+    return torch.where(reaches, nearest, _NO_ZERO_CODE)
+
+
+def _stochastic_near_zero(
+    codes: torch.Tensor,
+    t: torch.Tensor,
+    u: torch.Tensor,
+    offset: torch.Tensor,
+    scale: torch.Tensor,
+    inv_scale: torch.Tensor,
+    special: torch.Tensor,
+    max_code: int,
+) -> torch.Tensor:
+    """Stochastic codes corrected between the zero code's neighbours, where 0 sits at t0 = -offset / scale
+    instead of at the zero code's index (quantize.h's encode_stochastic), so rounding stays unbiased."""
+    zero = _zero_codes(offset, scale, special, max_code)
+    k0, top = zero[:, None], torch.where(special, max_code - 3, max_code)[:, None]
+    k = k0.float()
+    t0 = (-offset * inv_scale)[:, None]
+    below = t < t0
+    a, b = torch.where(below, k - 1.0, t0), torch.where(below, t0, k + 1.0)
+    up = (t - a) / (b - a) + u >= 1.0
+    near = torch.where(below, torch.where(up, k0, k0 - 1), torch.where(up, k0 + 1, k0))
+    near = torch.where((below & (k0 == 0)) | (~below & (k0 == top)), k0, near)
+    inside = (t > k - 1.0) & (t < k + 1.0) & (k0 != _NO_ZERO_CODE)
+    return torch.where(inside, near, codes)
+
+
 def _flagged(scale: torch.Tensor, special: torch.Tensor) -> torch.Tensor:
     """16-bit scales with the sign bit set on special groups (quantize.h's kSpecialFlag)."""
     return torch.where(special, -scale, scale)
@@ -199,11 +240,14 @@ def quantize_per_group_ref(
     enc_offset = torch.where(wide, o * 0.5, o)[:, None]
     enc_inv_scale = torch.where(wide, inv_scale * 2.0, inv_scale)[:, None]
     t = (values * pre - enc_offset) * enc_inv_scale
+    t_raw = t
     t = torch.where(t < 0, 0.0, t)
     t = torch.where(t < max_code, t, float(max_code))
     u = _uniform01(seed, values.shape[0], group_size, x.device) if stochastic else 0.5
     codes = torch.clamp((t + u).to(torch.int32), max=max_code)
     codes = torch.where(special[:, None], torch.clamp(codes, max=finite_max_code), codes)
+    if stochastic:
+        codes = _stochastic_near_zero(codes, t_raw, u, o, scale.float(), inv_scale, special, max_code)
     codes = _special_codes(values, codes, max_code, max_code - 1, max_code - 2)
     return _pack_codes(codes, bits, x.numel()), _flagged(scale, special), offset
 
@@ -231,6 +275,9 @@ def dequantize_per_group_ref(
     s = torch.where(special, -s, s)
     product = q.float() * s
     values = torch.where(torch.isfinite(product), o + product, (o * 0.5 + q.float() * (s * 0.5)) * 2.0)
+    magnitude = scale.float().abs()
+    zero = _zero_codes(offset.float(), magnitude, scale.float() < 0, max_code)
+    values = torch.where(q == _per_element(zero, group_size, numel).to(torch.int32), 0.0, values)
     specials = (special & (q == max_code), special & (q == max_code - 1), special & (q == max_code - 2))
     return _to_output(values, torch.isfinite(o) & torch.isfinite(s), dtype, shape, specials)
 
