@@ -1,4 +1,4 @@
-"""Compressed storage of one tensor: per-group int8/int4/int2, fp8, and exact 1-bit masks.
+"""Compressed storage of one tensor: per-group int8/int4/int2, fp8, exact 1-bit masks, and exact two-valued floats.
 
 `encode` returns an `Encoded` record (the payload tensors are all that is kept); `decode` rebuilds
 the tensor from it. The kernels are the compiled ops in fastckpt.ops.
@@ -13,6 +13,8 @@ import torch
 
 BITS = {"int8": 8, "int4": 4, "int2": 2}
 _stochastic_seeds = itertools.count(1)  # a counter, never the torch RNG: the caller's stream stays untouched
+_SAMPLE = 256  # elements two_valued looks at before it reads a whole tensor
+_SAME_WIDTH_INT = {torch.float32: torch.int32, torch.float16: torch.int16, torch.bfloat16: torch.int16}
 
 
 @dataclass
@@ -24,6 +26,34 @@ class Encoded:
     group_size: int
     dtype: torch.dtype
     shape: torch.Size
+
+
+def sample_index(numel: int, device: torch.device) -> torch.Tensor:
+    """The flat (row-major) positions two_valued samples: about _SAMPLE of them, at an odd stride (not in
+    step with power-of-two rows)."""
+    return torch.arange(0, numel, max(1, numel // _SAMPLE) | 1, device=device)
+
+
+def two_valued(t: torch.Tensor) -> Encoded | None:
+    """`t` (float32/float16/bfloat16) as the exact 'two-valued' codec keeps it, 1 bit per element ("equals the
+    second value") plus its two values, when it holds at most two distinct bit patterns (-0.0 is not 0.0, NaNs
+    differ by payload); None otherwise. An ordinary activation costs one read of a small sample to the host (one
+    sync on an accelerator); only a sample of at most two values leads to the full check and a second read (its
+    verdict)."""
+    from fastckpt import ops
+
+    if t.is_meta or t.numel() == 0:
+        return None
+    bits = t.view(_SAME_WIDTH_INT[t.dtype])  # compare bit patterns: NaN == NaN, -0.0 != 0.0
+    index = sample_index(t.numel(), t.device)
+    sample = bits.view(-1)[index] if bits.is_contiguous() else bits[torch.unravel_index(index, bits.shape)]
+    if len(set(sample.tolist())) > 2:
+        return None
+    lo, hi = bits.aminmax()  # at most two values: they are the least and the greatest
+    second = bits == hi
+    if not (bits == lo).logical_or_(second).all().item():
+        return None
+    return Encoded("two-valued", (ops.pack_bits(second), torch.stack([lo, hi]).view(t.dtype)), 0, t.dtype, t.shape)
 
 
 def encode(t: torch.Tensor, codec: str, group_size: int | None, stochastic: bool) -> Encoded:
@@ -42,11 +72,15 @@ def encode(t: torch.Tensor, codec: str, group_size: int | None, stochastic: bool
 
 
 def decode(e: Encoded) -> torch.Tensor:
-    """Rebuild the (approximate, or exact for masks) tensor."""
+    """Rebuild the (approximate, or exact for masks and two-valued) tensor."""
     from fastckpt import ops
 
     if e.codec == "mask":
         return ops.unpack_bits(e.payload[0], e.shape)
+    if e.codec == "two-valued":
+        packed, values = e.payload
+        values = values.view(_SAME_WIDTH_INT[e.dtype])  # select bit patterns: NaN payloads survive
+        return torch.where(ops.unpack_bits(packed, e.shape), values[1], values[0]).view(e.dtype)
     if e.codec == "fp8":
         codes, scale = e.payload
         return ops.dequantize_fp8_per_group(codes, scale, e.group_size, e.dtype, e.shape)

@@ -2,7 +2,8 @@
 
 Every tensor autograd saves inside the segment comes through `pack`. Tensors that are alive
 anyway or not worth storing differently (parameters, small, integer, sparse, subclasses) are
-kept as they are; the rest are stored through the policy's codec and/or moved to host memory.
+kept as they are; the rest are stored through the policy's codec (exactly, at 1 bit per element, when a
+float tensor holds at most two values) and/or moved to host memory.
 The same tensor saved by several ops is stored once.
 """
 
@@ -151,12 +152,18 @@ class SegmentStorage:
         # first) and permuted back at unpack, so the tensor handed back has the saved one's strides.
         order = dense_permutation(t) if codec else None
         source = t.permute(order) if order else t
-        encoded = codecs.encode(source, codec, policy.group_size, policy.stochastic_rounding) if codec else None
+        encoded = None
+        if codec:
+            # A float tensor of at most two values (an additive attention mask of 0 and -inf, a constant) is
+            # kept exactly at 1 bit per element instead of lossily by the policy's codec; two_valued looks at
+            # a small sample first, so an ordinary activation costs little.
+            encoded = codecs.two_valued(source) if codec != "mask" else None
+            if encoded is None:
+                encoded = codecs.encode(source, codec, policy.group_size, policy.stochastic_rounding)
+            self.record.codecs.add(encoded.codec)
         layout = tuple(order.index(d) for d in range(t.dim())) if order else None
         tensors = encoded.payload if encoded else (t,)
         nbytes = sum(_nbytes(x) for x in tensors)
-        if codec:
-            self.record.codecs.add(codec)
         if policy.offload and t.device.type != "cpu":
             self.record.host_bytes += nbytes
             if self._offload_group is None:
