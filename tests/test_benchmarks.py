@@ -74,9 +74,10 @@ def test_smoke_run_writes_csv_png_and_markdown_without_profiler_noise(capfd, tmp
     plain = _by_config(written)["plain"]
     assert plain["x_plain"] == "" and plain["x_stock"] == "" and plain["bits_per_element"] == ""
     assert float(plain["ms_per_step"]) > 0 and float(plain["peak_MiB"]) > 0
-    assert float(_by_config(written)["fastckpt int8"]["bits_per_element"]) == pytest.approx(8.25, abs=0.5)
+    # int8 codes with their parameters (8.5 bits) and the dropout masks exact at 1 bit (two-valued) pull it lower
+    assert 4 < float(_by_config(written)["fastckpt int8"]["bits_per_element"]) <= 8.75
     if "fastckpt selective:int8" in names:  # torch's SAC routes its saved outputs through the codec (2.14+)
-        assert float(_by_config(written)["fastckpt selective:int8"]["bits_per_element"]) == pytest.approx(8.25, abs=0.5)
+        assert 4 < float(_by_config(written)["fastckpt selective:int8"]["bits_per_element"]) <= 8.75
     assert (tmp_path / "gpt2.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "gpt2.png").stat().st_size < 200_000
     markdown = (tmp_path / "results.md").read_text()

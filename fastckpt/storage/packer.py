@@ -42,11 +42,21 @@ def dense_permutation(t: torch.Tensor) -> tuple[int, ...] | None:
     return order if t.permute(order).is_contiguous() else None
 
 
+def _is_cheap_broadcast(t: torch.Tensor, policy: Policy) -> bool:
+    """An expanded view (a zero stride, e.g. a [B, 1, T, T] attention mask broadcast over heads) whose memory
+    is at most the codec's bits per element of the view: kept plain, it is exact and costs no more."""
+    expanded = any(stride == 0 and size > 1 for size, stride in zip(t.shape, t.stride(), strict=True))
+    return expanded and 8 * t.untyped_storage().nbytes() <= t.numel() * codecs.BITS.get(policy.codec, 8)
+
+
 def keep_plain_reason(t: torch.Tensor, policy: Policy) -> str | None:
     """Why `t` is kept as autograd would keep it, or None when the policy's storage applies."""
     if type(t) not in (torch.Tensor, torch.nn.Parameter):
         return "tensor subclass"
-    return value_keep_plain_reason(t, policy, "parameter" if _is_parameter_like(t) else None)
+    reason = value_keep_plain_reason(t, policy, "parameter" if _is_parameter_like(t) else None)
+    if reason is None and policy.codec is not None and _is_cheap_broadcast(t, policy):
+        return "expanded"
+    return reason
 
 
 def value_keep_plain_reason(t: torch.Tensor, policy: Policy, alive_anyway: str | None) -> str | None:

@@ -210,3 +210,15 @@ def test_cuda_offloaded_mask_is_exact_and_on_host():
     back, storage = store(t, "int4+offload")
     assert storage.record.codecs == {"two-valued"} and storage.record.host_bytes == two_valued_bytes(t)
     assert back.is_cuda and torch.equal(back, t)
+
+
+def test_a_broadcast_tensor_is_kept_as_its_small_storage():
+    # [B, 1, T, T] expanded over heads (as an attention mask is): its memory is far below one bit per element
+    # of the view, so keeping it plain beats any codec; mul saves it for x's gradient
+    weight = torch.randn(2, 1, 64, 64)
+    x = torch.randn(2, 8, 64, 64, requires_grad=True)
+    with fastckpt.track() as report:
+        y = fastckpt.checkpoint(lambda a, w: a * w, x, weight.expand(2, 8, 64, 64), policy="int8")
+        y.sum().backward()
+    assert report.segments[0].kept_plain == {"expanded": 1}
+    assert torch.equal(x.grad, weight.expand(2, 8, 64, 64))
