@@ -56,17 +56,33 @@ def two_valued(t: torch.Tensor) -> Encoded | None:
     return Encoded("two-valued", (ops.pack_bits(second), torch.stack([lo, hi]).view(t.dtype)), 0, t.dtype, t.shape)
 
 
+_MIN_ROW_GROUP = 16  # rows shorter than this (narrow attention heads) keep the default: parameters would outweigh codes
+
+
+def default_group_size(t: torch.Tensor, codec: str) -> int:
+    """The codec's default group size for `t`, cut to its rows (last dimension, in memory order) when they are
+    shorter: rows (tokens) can differ in scale by orders of magnitude, e.g. an all-zero or near-constant token
+    beside ordinary ones, and a norm's backward multiplies a small-scale row's error by its 1/std. A group
+    spanning such rows gave BEiT at init a gradient error of 0.35 under int8; row-sized groups give 6e-4."""
+    from fastckpt import ops
+
+    size = ops.FP8_DEFAULT_GROUP_SIZE if codec == "fp8" else ops.DEFAULT_GROUP_SIZE[BITS[codec]]
+    row = t.shape[-1] if t.dim() else 0
+    per_byte = 1 if codec == "fp8" else 8 // BITS[codec]  # a group starts on a whole byte of codes
+    return row if _MIN_ROW_GROUP <= row < size and row % per_byte == 0 else size
+
+
 def encode(t: torch.Tensor, codec: str, group_size: int | None, stochastic: bool) -> Encoded:
-    """Compress `t` with `codec` ('int8', 'int4', 'int2', 'fp8', or 'mask' for bool tensors)."""
+    """Compress `t` with `codec` ('int8', 'int4', 'int2', 'fp8', or 'mask' for bool tensors); group_size None:
+    default_group_size."""
     from fastckpt import ops  # here, not at import: `import fastckpt` must work without the compiled ops
 
     if codec == "mask":
         return Encoded("mask", (ops.pack_bits(t),), 0, t.dtype, t.shape)
+    size = group_size or default_group_size(t, codec)
     if codec == "fp8":
-        size = group_size or ops.FP8_DEFAULT_GROUP_SIZE
         return Encoded("fp8", ops.quantize_fp8_per_group(t, size), size, t.dtype, t.shape)
     bits = BITS[codec]
-    size = group_size or ops.DEFAULT_GROUP_SIZE[bits]
     seed = next(_stochastic_seeds) if stochastic else 0
     return Encoded(codec, ops.quantize_per_group(t, bits, size, stochastic, seed), size, t.dtype, t.shape)
 
