@@ -143,7 +143,7 @@ class Measurements:
         # What plans may choose (by_policy also holds the 'recompute' reference): the candidates that ran and,
         # with max_error, whose measured gradient error is within it.
         ran = [c for c in candidates if c in by_policy]
-        self.candidates = [c for c in ran if max_error is None or by_policy[c].grad_error <= max_error]
+        self.candidates = [c for c in ran if max_error is None or _within(by_policy[c].grad_error, max_error)]
         self.excluded = [c for c in ran if c not in self.candidates]
 
     @property
@@ -164,14 +164,22 @@ class Measurements:
     def plan(self, budget: int | str) -> Plan:
         """The fastest assignment predicted to fit `budget`; ValueError naming the smallest feasible budget if none."""
         budget_bytes = self.budget_bytes(budget)
+        excluded = (
+            f" ({self.excluded} left out: their gradient error exceeds max_error={self.max_error:g})"
+            if self.excluded
+            else ""
+        ) + (
+            f" ({list(self.failed)} left out: they failed on this model: "
+            + "; ".join(f"{name!r}: {why}" for name, why in self.failed.items())
+            + ")"
+            if self.failed
+            else ""
+        )
+        if not self.candidates:
+            raise ValueError(f"plan: no candidate is left to assign to the segments{excluded}")
         policies = _fastest_within(self.by_policy, self.candidates, len(self.segments), budget_bytes)
         if policies is None:
             smallest = self.smallest_feasible_budget()
-            excluded = (
-                f" ({self.excluded} left out: their gradient error exceeds max_error={self.max_error:g})"
-                if self.excluded
-                else ""
-            ) + (f" ({list(self.failed)} left out: they failed on this model)" if self.failed else "")
             raise ValueError(
                 f"plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments fits a "
                 f"budget of {budget_bytes} bytes ({budget_bytes / 2**20:.2f} MiB); the smallest feasible budget is "
@@ -290,6 +298,11 @@ class Plan:
         return "\n".join(lines)
 
 
+def _within(error: float, max_error: float) -> bool:
+    """A NaN or inf error is never within max_error (a comparison with NaN is False either way round)."""
+    return math.isfinite(error) and error <= max_error
+
+
 def _bits(bits: float) -> str:
     """Bits per element for a table: blank where nothing went through a codec."""
     return "" if math.isnan(bits) else f"{bits:.2f}"
@@ -319,8 +332,10 @@ def plan(
     checks: batch candidates are left out, with a warning, when changing the other samples moves a slice's
     output) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on CPU 'selective:int8' measured
     slower and larger than 'int8' and attention-only pays off where attention dominates, and batch slices;
-    `extended_candidates` adds both). A candidate whose step raises on the model is left out with a warning.
-    `max_error`, when given, leaves out the candidates whose gradient error exceeds it: the largest relative L2
+    `extended_candidates` adds both). A candidate whose step raises on the model, or gives NaN/inf parameter
+    gradients where the plain step's are finite, is left out with a warning (the reference 'recompute': the
+    error is raised). `max_error`, when given, leaves out the candidates whose gradient error exceeds it (a NaN
+    or inf error does) or ValueError if the reference's gradients are not finite: the largest relative L2
     error of a parameter's gradient against no checkpointing (a batch slice: against the same slices kept
     exactly, which draw random ops in the same order), measured with every segment under the candidate and the
     same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs, but
@@ -698,14 +713,20 @@ def _measure(
     device: torch.device,
     repeats: int,
 ) -> tuple[dict[str, CandidateMeasurement], dict[str, str]]:
-    """Every candidate that runs on this model measured, and the error of each that raised (left out with a
-    warning; the reference, measured first, must run: its errors are the model's or the step's)."""
-    step()  # warm-up: one-time allocations (gradients, optimizer state) and lazy initialisation
+    """Every candidate that runs on this model measured, and the error of each that raised or gave NaN/inf
+    gradients where the plain step did not (left out with a warning; the reference, measured first, must run:
+    its errors are the model's or the step's)."""
+    with _NonFinite(model, segments) as plain:
+        step()  # warm-up (the plain step): one-time allocations (gradients, optimizer state), lazy initialisation
     memory, failed = {}, {}
     for name in sorted(names, key=lambda n: n != REFERENCE):
         grads = [(p, p.grad) for p in model.parameters()]
         try:
-            memory[name] = _memory_run(segments, step, name, device)
+            with _NonFinite(model, segments) as check:
+                measured = _memory_run(segments, step, name, device)
+            if check.found and not plain.found:  # a storage that breaks the gradients, not the model's own
+                raise RuntimeError(f"plan: candidate {name!r} {check.found}, where the plain step's are finite")
+            memory[name] = measured
         except Exception as error:
             if name == REFERENCE:
                 raise
@@ -742,6 +763,52 @@ def _measure(
     return result, failed
 
 
+class _NonFinite:
+    """Around one run: where parameters got a NaN/inf gradient (`found`, a phrase naming the segments; '')."""
+
+    def __init__(self, model: nn.Module, segments: list[Segment]) -> None:
+        self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.segments = segments
+        self.bad: set[int] = set()
+        self.handles: list[Any] = []
+        self.found = ""
+
+    def __enter__(self) -> _NonFinite:
+        self.handles = [p.register_hook(self._hook(i)) for i, p in enumerate(self.parameters)]
+        return self
+
+    def _hook(self, index: int) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if not _finite(grad):
+                self.bad.add(index)
+
+        return hook
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if not self.bad:
+            return
+        bad = {id(self.parameters[i]) for i in self.bad}
+        names = [s.name for s in self.segments if any(id(p) in bad for p in s.module.parameters())]
+        if not names:
+            self.found = "gives NaN/inf gradients to parameters outside the segments"
+        else:
+            # The backward runs the segments last to first and a NaN spreads to those it reaches after.
+            self.found = f"gives NaN/inf gradients from segment {names[-1]!r} on (segments {names} affected)"
+
+
+def _finite(grad: torch.Tensor) -> bool:
+    """No NaN/inf in `grad`; reduces to two scalars, so a traced run's memory is as without the check."""
+    values = grad._values() if grad.is_sparse else grad
+    if values.numel() == 0:
+        return True
+    if values.is_complex():
+        values = torch.view_as_real(values)
+    low, high = torch.aminmax(values)  # NaN propagates to both
+    return math.isfinite(low.item()) and math.isfinite(high.item())
+
+
 def _gradient_errors(
     model: nn.Module, segments: list[Segment], step: Callable[[], Any], names: list[str], device: torch.device
 ) -> dict[str, float]:
@@ -775,6 +842,11 @@ def _gradient_errors(
         key = NONE if split is None else f"{tiling.BATCH_PREFIX}{split.chunks}:save"
         if key not in references:
             references[key] = gradients(key)
+            if not all(g is None or _finite(g) for g in references[key]):
+                raise ValueError(
+                    f"plan: max_error: the gradients under {key!r} (the reference) hold NaN/inf, so no gradient "
+                    "error can be measured against them; fix the step's gradients or pass max_error=None"
+                )
         return references[key]
 
     return {name: 0.0 if name == NONE else max_relative_error(gradients(name), reference(name)) for name in names}
@@ -865,7 +937,8 @@ def max_relative_error(grads: Sequence[torch.Tensor | None], reference: Sequence
             errors.append(0.0 if g is None and r is None else 1.0)
         else:
             errors.append(((g - r).float().norm() / r.float().norm().clamp_min(1e-30)).item())
-    return max(errors, default=0.0)
+    # max() keeps a NaN only when it comes first (comparisons with NaN are False): make every non-finite one inf.
+    return max((e if math.isfinite(e) else math.inf for e in errors), default=0.0)
 
 
 def _segment_seconds(segments: list[Segment], runs: list[list[float]]) -> list[float]:

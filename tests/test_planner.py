@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastckpt
-from fastckpt import hybrid
+from fastckpt import hybrid, planner
 from fastckpt.api import CheckpointWrapper
 from fastckpt.memory import MemoryTrace, peak_bytes
 from fastckpt.planner import (
@@ -27,6 +28,7 @@ from fastckpt.planner import (
     _samples_mixed,
     _smallest_peak,
     extended_candidates,
+    max_relative_error,
     measure,
 )
 from fastckpt.tiling import TiledWrapper
@@ -568,3 +570,103 @@ def test_bad_max_error_is_named(max_error):
     model, step = make(layers=2)
     with pytest.raises(ValueError, match="max_error"):
         fastckpt.plan(model, step, "100%", max_error=max_error)
+
+
+# ---- non-finite gradients: a candidate whose storage breaks the gradients is never kept ----
+
+
+class MaskedBlock(nn.Module):
+    """logsumexp over a -inf-masked projection: finite values and gradients, but the tensor logsumexp saves
+    for backward holds -inf, and int8 decodes a group holding an infinity to NaN."""
+
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        mask = torch.zeros(dim)
+        mask[::2] = -math.inf
+        self.register_buffer("mask", mask)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.logsumexp(self.fc(x) + self.mask, dim=-1, keepdim=True)
+
+
+class HeadFirstNet(nn.Module):
+    """The head's parameters come first: their gradient is exact under any storage, so an error measure that
+    loses a later NaN reports 0 for the whole model."""
+
+    def __init__(self, block: type[nn.Module], layers: int = 3, dim: int = 64) -> None:
+        super().__init__()
+        self.head = nn.Linear(dim, dim)
+        self.blocks = nn.ModuleList(block(dim) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def make_head_first(block: type[nn.Module]):
+    torch.manual_seed(0)
+    model = HeadFirstNet(block)
+    x = torch.randn(4, 256, 64)
+
+    def step() -> None:
+        model(x).pow(2).mean().backward()
+        model.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+NAN_FROM_INT8 = (
+    r"candidate 'int8' gives NaN/inf gradients from segment 'blocks.2' on .* where the plain step's are finite"
+)
+
+
+@pytest.mark.parametrize("max_error", [None, 0.5])
+def test_a_candidate_whose_stored_form_gives_nan_gradients_is_never_kept(max_error):
+    model, step = make_head_first(MaskedBlock)
+    with pytest.warns(UserWarning, match=NAN_FROM_INT8):
+        measurements = measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=max_error)
+    assert measurements.candidates == ["recompute"] and list(measurements.failed) == ["int8"]
+    assert all(policy == "recompute" for policy in measurements.plan("100%").policies)
+    with pytest.warns(UserWarning, match=NAN_FROM_INT8):
+        alone = measure(model, step, candidates=["int8"], repeats=1, max_error=max_error)
+    with pytest.raises(ValueError, match=NAN_FROM_INT8):  # nothing is left: the error says why int8 is out
+        alone.plan("100%")
+
+
+def test_the_reference_giving_nan_gradients_refuses_the_plan(monkeypatch):
+    model, step = make_head_first(MaskedBlock)
+    runner = planner._runner
+    monkeypatch.setattr(
+        planner, "_runner", lambda module, name: runner(module, "int8" if name == "recompute" else name)
+    )
+    with pytest.raises(RuntimeError, match="candidate 'recompute' gives NaN/inf gradients from segment 'blocks.2'"):
+        fastckpt.plan(model, step, "100%", candidates=[NONE, "recompute"])
+
+
+def test_a_nan_gradient_error_exceeds_max_error_wherever_it_is():
+    finite, nan = torch.ones(3), torch.tensor([1.0, math.nan, 1.0])
+    assert max_relative_error([finite, nan], [finite, finite]) == math.inf  # a NaN after a finite error counts
+    assert max_relative_error([nan, finite], [finite, finite]) == math.inf
+    assert max_relative_error([finite * math.inf], [finite]) == math.inf
+    measurements = synthetic(2, ["a", "b", "c", "recompute"], seed=0, unit=4099)
+    measurements["a"].grad_error, measurements["b"].grad_error = math.nan, math.inf
+    measurements["c"].grad_error = measurements["recompute"].grad_error = 0.0
+    kept = Measurements(nn.Linear(1, 1), [], ["a", "b", "c", "recompute"], measurements, max_error=1.0)
+    assert kept.candidates == ["c", "recompute"] and kept.excluded == ["a", "b"]
+
+
+class NaNBlock(Block):
+    """Plain autograd's own gradients are NaN here (sqrt's backward at 0, times 0)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + (self.fc2(F.gelu(self.fc1(x))) * 0).abs().sqrt()
+
+
+def test_gradient_error_against_a_non_finite_reference_is_refused():
+    model, step = make_head_first(NaNBlock)
+    measurements = measure(model, step, candidates=["recompute", "int8"], repeats=1)
+    assert measurements.candidates == ["recompute", "int8"]  # NaN already without checkpointing: not int8's doing
+    with pytest.raises(ValueError, match=r"max_error: the gradients under 'none' \(the reference\) hold NaN/inf"):
+        measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=0.5)

@@ -44,13 +44,25 @@ class OpTrace:
         def numbered(ops: list[str]) -> str:
             return "\n".join(f"  {i + 1:>4}. {op}" for i, op in enumerate(ops)) or "  (none)"
 
+        problem = str(error).split("\nTip:")[0]  # the tip says to pass debug=True: already done
         raise CheckpointError(
             "An error happened while unpacking tensors; dumping logs of latest computation\n"
             "because you passed `debug=True` to `fastckpt.checkpoint()` (or enabled checkpoint debugging).\n"
-            f"{error}\n\nOperators in the original forward:\n"
-            f"{numbered(self.forward_ops)}\n\nOperators in the recomputation:\n{numbered(self.recompute_ops)}\n"
+            f"{problem}\n\nOperators in the original forward:\n"
+            f"{numbered(self.forward_ops)}\n\nOperators in the recomputation:\n{numbered(self.recompute_ops)}\n\n"
+            # torch's closing paragraph, word for word: tests written against torch match it.
+            f"{_TORCH_CLOSING}\n"
             "The first line where the two lists differ is where forward and recompute diverged."
         ) from error
+
+
+_TORCH_CLOSING = (
+    "ERROR: Detected non-determinism while running activation checkpointing\n\n"
+    "You are seeing this error because you passed `debug=True` to checkpoint and\n"
+    "tensors to be saved during the original forward and differ between those saved\n"
+    "during recomputation. This can happen if different operators were ran in the\n"
+    "original forward and in the recomputation.\n"
+)
 
 
 UnpackErrorCallback = Callable[[CheckpointError], NoReturn]

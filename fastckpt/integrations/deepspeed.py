@@ -38,6 +38,7 @@ from fastckpt.storage.accounting import SegmentRecord, current_report
 from fastckpt.storage.packer import SegmentStorage
 
 __all__ = [
+    "ContiguousCheckpointingError",
     "Settings",
     "checkpoint",
     "configure",
@@ -85,6 +86,14 @@ class Settings:
 _settings = Settings()
 
 
+class ContiguousCheckpointingError(ValueError, AssertionError):
+    """contiguous_checkpointing without what DeepSpeed requires with it (partition_activations, num_checkpoints).
+
+    DeepSpeed's configure asserts these, so code written against it catches AssertionError; code written
+    against fastckpt catches ValueError. Both catch this, and DeepSpeed need not be installed.
+    """
+
+
 def settings() -> Settings:
     """The current settings (read-only)."""
     return _settings
@@ -125,12 +134,12 @@ def configure(
         _check_type(name, value)
     if values.get("contiguous_checkpointing"):
         if not values.get("partition_activations"):
-            raise ValueError(
+            raise ContiguousCheckpointingError(
                 "configure: contiguous_checkpointing (contiguous_memory_optimization) requires "
                 "partition_activations=True, as in DeepSpeed; enable partitioning or drop contiguous_checkpointing"
             )
         if values.get("num_checkpoints") is None:
-            raise ValueError(
+            raise ContiguousCheckpointingError(
                 "configure: contiguous_checkpointing requires num_checkpoints (number_checkpoints), as in "
                 "DeepSpeed; pass the number of checkpointed layers"
             )

@@ -224,3 +224,134 @@ def test_respect_saved_tensors_hooks_reaches_selective_checkpointing():
         out.sum().backward()
         saw_cached_mm = torch.Size([8, 8]) in packed[1:]  # packed[0] is the segment input
         assert saw_cached_mm is respect
+
+
+# ---- the sentences torch's own checkpoint tests match (assertRaisesRegex), raised by ours with our inputs ----
+
+
+def _shape_changes_in_recompute():
+    calls = []
+
+    def fn(t):
+        calls.append(1)
+        return t.cos().exp() if len(calls) == 1 else t[1:].cos().exp()
+
+    return fn
+
+
+def _debug_true():
+    x = torch.randn(3, requires_grad=True)
+    fastckpt.checkpoint(_shape_changes_in_recompute(), x, use_reentrant=False, debug=True).sum().backward()
+
+
+def _debug_enabled_globally():
+    x = torch.randn(3, requires_grad=True)
+    with torch_checkpoint.set_checkpoint_debug_enabled(True):
+        fastckpt.checkpoint(_shape_changes_in_recompute(), x, use_reentrant=False).sum().backward()
+
+
+def _debug_disabled_globally():  # the global switch wins over debug=True, as in torch
+    x = torch.randn(3, requires_grad=True)
+    with torch_checkpoint.set_checkpoint_debug_enabled(False):
+        fastckpt.checkpoint(_shape_changes_in_recompute(), x, use_reentrant=False, debug=True).sum().backward()
+
+
+def _returned_input_backward_twice():
+    w, x = torch.randn(5, requires_grad=True), torch.randn(5, requires_grad=True)
+    out = fastckpt.checkpoint(lambda w, x: ((w * x).tanh(), x), w, x, use_reentrant=True)
+    out[1].sum().backward()
+    out[1].sum().backward()
+
+
+def _saved_result_after_backward():
+    x = torch.randn(4, requires_grad=True)
+    out = fastckpt.checkpoint(torch.tanh, x, use_reentrant=False)
+    out.sum().backward()
+    out.grad_fn._saved_result  # noqa: B018
+
+
+def _overlapping_backwards_in_exec_group():
+    x = torch.randn(4, requires_grad=True)
+    out = fastckpt.checkpoint(lambda t: t.tanh().exp(), x, use_reentrant=False)
+    with torch_checkpoint.GraphExecGroup():
+        out.sum().backward(retain_graph=True)
+        out.sum().backward()
+
+
+def _selective(fn, x, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.tanh.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return fastckpt.checkpoint(
+        fn, x, use_reentrant=False, context_fn=lambda: create_selective_checkpoint_contexts(policy, **kwargs)
+    )
+
+
+def _selective_cache_mutated():
+    _selective(lambda t: t.tanh().mul_(3).exp(), torch.randn(4, requires_grad=True)).sum().backward()
+
+
+def _selective_backward_twice():
+    out = _selective(lambda t: t.tanh().exp(), torch.randn(4, requires_grad=True))
+    out.sum().backward(retain_graph=True)
+    out.sum().backward(retain_graph=True)
+
+
+VALUE_ERRORS = {
+    "debug=True is incompatible with non-default context_fn",
+    "determinism_check should be one of",
+    "only supported when use_reentrant=False",
+}
+TORCH_TEST_SENTENCES = [
+    (_debug_true, "You are seeing this error because you passed `debug=True` to checkpoint"),
+    (_debug_enabled_globally, "You are seeing this error because you passed `debug=True` to checkpoint"),
+    (_debug_disabled_globally, "Recomputed values for the following tensors have different"),
+    (lambda: _fewer_in_recompute(fastckpt.checkpoint), "A different number of tensors was saved"),
+    (lambda: _more_in_recompute(fastckpt.checkpoint), "trying to save more tensors during recomputation"),
+    (lambda: _other_shape_in_recompute(fastckpt.checkpoint), "tensors have different metadata"),
+    (
+        lambda: _unpacked_twice(fastckpt.checkpoint),
+        "Unpack is being triggered for a tensor that was already unpacked once",
+    ),
+    (_saved_result_after_backward, "or directly access saved tensors after they have already been freed"),
+    (_overlapping_backwards_in_exec_group, "Performing two backward calls that overlap"),
+    (_selective_cache_mutated, "has been mutated"),
+    (_selective_backward_twice, "Trying to backward an extra time"),
+    (lambda: _debug_with_context_fn(fastckpt.checkpoint), "debug=True is incompatible with non-default context_fn"),
+    (lambda: _bad_determinism_check(fastckpt.checkpoint), "determinism_check should be one of"),
+    (lambda: _reentrant_with_debug(fastckpt.checkpoint), "only supported when use_reentrant=False"),
+    (lambda: _reentrant_under_grad(fastckpt.checkpoint), "torch.utils.checkpoint is incompatible"),
+    (
+        lambda: _reentrant_no_output_requires_grad(fastckpt.checkpoint),
+        r"none of output has requires_grad=True, this checkpoint\(\) is not necessary",
+    ),
+    (_returned_input_backward_twice, "Trying to backward through the graph a second time"),
+]
+
+
+@pytest.mark.parametrize(("case", "sentence"), TORCH_TEST_SENTENCES, ids=[s for _, s in TORCH_TEST_SENTENCES])
+def test_sentences_torchs_own_tests_match(case, sentence):
+    with pytest.raises(ValueError if sentence in VALUE_ERRORS else RuntimeError, match=sentence):
+        case()
+
+
+def test_debug_error_carries_torchs_closing_paragraph():
+    def debug_true(checkpoint):
+        x = torch.randn(3, requires_grad=True)
+        checkpoint(_shape_changes_in_recompute(), x, use_reentrant=False, debug=True).sum().backward()
+
+    expected = str(_raised(debug_true, torch_checkpoint.checkpoint))
+    got = str(_raised(debug_true, fastckpt.checkpoint))
+    closing = expected[expected.index("ERROR: Detected non-determinism") :].split("\n\n To identify")[0]
+    for line in closing.splitlines():
+        assert line.strip() in got, f"torch says {line.strip()!r}; fastckpt said:\n{got}"
+    assert "Tip: pass debug=True" not in got  # the advice to do what was done is dropped
+
+
+def test_debug_disabled_globally_gives_the_plain_error():
+    with pytest.raises(CheckpointError) as info:
+        _debug_disabled_globally()
+    got = str(info.value)
+    assert "You are seeing this error" not in got and "Operators in the original forward" not in got

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 
 import pytest
@@ -151,3 +152,125 @@ def test_no_reference_cycles():
         assert inp_ref() is None and layer_ref() is None, "graph kept alive by a reference cycle"
     finally:
         gc.enable()
+
+
+# A tensor the function returns but did not create: torch's reentrant checkpoint passes nested ones through
+# untouched; a top-level one it makes its node's output (mutating the caller's tensor) and then hangs in
+# backward. fastckpt must leave the caller's tensor as it was, never hang, and give torch's gradients.
+
+MODULE_LEVEL = torch.arange(6.0).view(2, 3) / 7
+
+HANG_LIMIT_S = 60  # far above the milliseconds these take: only a hang reaches it
+
+
+def within_limit(work):
+    """Run `work()` in a daemon thread: a hang fails the test instead of blocking the run."""
+    result, errors = [], []
+
+    def run():
+        try:
+            result.append(work())
+        except BaseException as error:  # handed to the test thread below
+            errors.append(error)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout=HANG_LIMIT_S)
+    assert not thread.is_alive(), "checkpoint's backward hung"
+    if errors:
+        raise errors[0]
+    return result[0]
+
+
+WRAP = {
+    "top": (lambda t: t, lambda o: o),
+    "tuple": (lambda t: (None, True, t), lambda o: o[2]),
+    "list": (lambda t: [t, 3], lambda o: o[0]),
+    "dict": (lambda t: {"bias": t, "name": "b"}, lambda o: o["bias"]),
+}
+
+
+def state(t):
+    return t.requires_grad, t.grad_fn, t.is_leaf
+
+
+def grads_of_returned_tensor_run(checkpoint, how, where, extra, lin, x):
+    """Checkpoint a layer returning `extra` (as `how` gets it) at `where`; backward through both outputs."""
+    wrap, unwrap = WRAP[where]
+    before = state(extra)
+    if how == "argument":
+        out = checkpoint(lambda x, e: (lin(x), wrap(e)), x, extra)
+    elif how == "closure":
+        out = checkpoint(lambda x: (lin(x), wrap(extra)), x)
+    else:  # a module-level tensor
+        out = checkpoint(lambda x: (lin(x), wrap(MODULE_LEVEL)), x)
+    assert state(extra) == before  # the caller's tensor is not made an output of the node
+    returned = unwrap(out[1])
+    loss = out[0].square().sum()
+    if returned.requires_grad:
+        loss = loss + (returned * torch.arange(6.0).view(2, 3)).sum()
+    loss.backward()
+    assert state(extra) == before
+    grads = [t.grad for t in (x, lin.weight, lin.bias, extra)]
+    for t in (x, lin.weight, lin.bias, extra):
+        t.grad = None
+    return grads
+
+
+FORMS = [(how, where, grad) for how in ("argument", "closure") for where in WRAP for grad in (False, True)]
+FORMS += [("module", where, False) for where in WRAP]  # MODULE_LEVEL does not require grad
+
+
+@pytest.mark.parametrize(("how", "where", "requires_grad"), FORMS)
+def test_returned_tensor_it_did_not_create(how, where, requires_grad):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(3, 3)
+    x = torch.randn(2, 3, requires_grad=True)
+    extra = MODULE_LEVEL if how == "module" else torch.randn(2, 3, requires_grad=requires_grad)
+    ours = within_limit(lambda: grads_of_returned_tensor_run(reentrant, how, where, extra, lin, x))
+
+    def torch_reentrant(fn, *args):
+        if how == "argument" or where != "top":
+            return torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=True)
+
+        # torch hangs on a closed-over tensor returned at the top level: its gradients are those of the
+        # same tensor returned nested, which torch handles.
+        def nested(*inputs):
+            out, returned = fn(*inputs)
+            return out, (returned,)
+
+        out, (returned,) = torch.utils.checkpoint.checkpoint(nested, *args, use_reentrant=True)
+        return out, returned
+
+    theirs = within_limit(lambda: grads_of_returned_tensor_run(torch_reentrant, how, where, extra, lin, x))
+    assert ours[0] is not None and ours[1] is not None
+    for mine, reference in zip(ours, theirs, strict=True):
+        assert (mine is None and reference is None) or torch.equal(mine, reference)
+    if requires_grad:
+        assert ours[3] is not None  # the returned tensor's gradient reached it
+
+
+def test_returned_tensor_that_requires_grad_passes_through_as_itself():
+    x = torch.randn(3, requires_grad=True)
+    bias = torch.randn(3, requires_grad=True)
+    out, same = reentrant(lambda x: (x.sin(), bias), x)
+    assert same is bias and bias.is_leaf and bias.grad_fn is None
+
+
+def test_output_returned_twice_stays_one_tensor():
+    x = torch.randn(3, requires_grad=True)
+    first, second = reentrant(lambda x: (lambda y: (y, y))(x.sin()), x)
+    assert first is second
+    (first.sum() + 2 * second.sum()).backward()
+    assert torch.equal(x.grad, 3 * x.detach().cos())
+
+
+def test_in_place_on_outputs_as_in_torch():
+    x = torch.randn(3, 3, requires_grad=True)
+    out = reentrant(lambda x: x.sin(), x)
+    out.mul_(2)  # a plain output: in place is fine and differentiated through
+    out.sum().backward()
+    assert torch.equal(x.grad, 2 * x.detach().cos())
+    view = reentrant(lambda x: x.sin()[0], x)
+    with pytest.raises(RuntimeError, match="is a view and is being modified inplace"):
+        view.mul_(2)  # torch refuses in-place changes of a view a custom Function returned; so must we

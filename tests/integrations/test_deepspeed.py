@@ -242,6 +242,38 @@ def test_configure_rejects_bad_input():
     assert ckpt.settings().contiguous_checkpointing
 
 
+# What DeepSpeed's configure sets before its asserts; restored after calling it.
+DS_CONFIGURE_GLOBALS = (
+    "PARTITION_ACTIVATIONS",
+    "CONTIGUOUS_CHECKPOINTING",
+    "num_layers",
+    "CPU_CHECKPOINT",
+    "SYNCHRONIZE",
+    "PROFILE_TIME",
+    "deepspeed_checkpointing_enabled",
+    "mpu",
+)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (dict(partition_activations=True, contiguous_checkpointing=True), "requires num_checkpoints"),
+        (dict(contiguous_checkpointing=True, num_checkpoints=4), "requires partition_activations=True"),
+    ],
+)
+def test_contiguous_checkpointing_errors_are_deepspeeds_type_and_ours(monkeypatch, arguments, message):
+    for name in DS_CONFIGURE_GLOBALS:
+        monkeypatch.setattr(ds_checkpointing, name, getattr(ds_checkpointing, name))
+    with pytest.raises(Exception) as theirs:
+        ds_checkpointing.configure(None, **arguments)
+    with pytest.raises(ValueError, match=message) as ours:  # fastckpt's type and words stay
+        ckpt.configure(None, **arguments)
+    assert type(theirs.value) is AssertionError  # DeepSpeed 0.19.8 asserts
+    assert isinstance(ours.value, type(theirs.value))  # so `except AssertionError` written for it catches ours
+    assert not ckpt.is_configured()
+
+
 class FakeModelParallel:
     """An mpu with both naming conventions: DeepSpeed prefers the tensor-parallel one."""
 
