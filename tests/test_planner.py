@@ -31,6 +31,7 @@ from fastckpt.planner import (
     max_relative_error,
     measure,
 )
+from fastckpt.storage import codecs
 from fastckpt.tiling import TiledWrapper
 
 
@@ -91,7 +92,8 @@ def test_default_segments_are_the_largest_stack_of_identical_blocks(measured):
     # what each candidate keeps per segment is ordered as its storage says
     kept = {p: sum(c.kept_bytes for c in m.segments) for p, m in measurements.by_policy.items()}
     assert kept["none"] > kept["int8"] > kept["int4"] > kept["recompute"] > kept["recompute+int8"]
-    assert measurements.by_policy["int8"].bits_per_element == pytest.approx(8.25)
+    # int8 codes plus 32 bits of parameters per group: of 128 elements (the 256-wide MLP rows), or per 64-wide row
+    assert 8.25 < measurements.by_policy["int8"].bits_per_element < 8.5
 
 
 @pytest.mark.parametrize("budget", ["100%", "85%", "smallest", "plain"])
@@ -575,19 +577,20 @@ def test_bad_max_error_is_named(max_error):
 # ---- non-finite gradients: a candidate whose storage breaks the gradients is never kept ----
 
 
-class MaskedBlock(nn.Module):
-    """logsumexp over a -inf-masked projection: finite values and gradients, but the tensor logsumexp saves
-    for backward holds -inf, and int8 decodes a group holding an infinity to NaN."""
+@pytest.fixture
+def int8_decodes_nan(monkeypatch):
+    """A broken int8 storage: every tensor it gives back holds a NaN (as the codecs' decoding of a group holding
+    an infinity once did)."""
+    decode = codecs.decode
 
-    def __init__(self, dim: int = 64) -> None:
-        super().__init__()
-        self.fc = nn.Linear(dim, dim)
-        mask = torch.zeros(dim)
-        mask[::2] = -math.inf
-        self.register_buffer("mask", mask)
+    def broken(encoded):
+        tensor = decode(encoded)
+        if encoded.codec == "int8":
+            tensor = tensor.clone()
+            tensor.view(-1)[0] = math.nan
+        return tensor
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.logsumexp(self.fc(x) + self.mask, dim=-1, keepdim=True)
+    monkeypatch.setattr(codecs, "decode", broken)
 
 
 class HeadFirstNet(nn.Module):
@@ -623,8 +626,8 @@ NAN_FROM_INT8 = (
 
 
 @pytest.mark.parametrize("max_error", [None, 0.5])
-def test_a_candidate_whose_stored_form_gives_nan_gradients_is_never_kept(max_error):
-    model, step = make_head_first(MaskedBlock)
+def test_a_candidate_whose_stored_form_gives_nan_gradients_is_never_kept(max_error, int8_decodes_nan):
+    model, step = make_head_first(Block)
     with pytest.warns(UserWarning, match=NAN_FROM_INT8):
         measurements = measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=max_error)
     assert measurements.candidates == ["recompute"] and list(measurements.failed) == ["int8"]
@@ -635,8 +638,8 @@ def test_a_candidate_whose_stored_form_gives_nan_gradients_is_never_kept(max_err
         alone.plan("100%")
 
 
-def test_the_reference_giving_nan_gradients_refuses_the_plan(monkeypatch):
-    model, step = make_head_first(MaskedBlock)
+def test_the_reference_giving_nan_gradients_refuses_the_plan(monkeypatch, int8_decodes_nan):
+    model, step = make_head_first(Block)
     runner = planner._runner
     monkeypatch.setattr(
         planner, "_runner", lambda module, name: runner(module, "int8" if name == "recompute" else name)
