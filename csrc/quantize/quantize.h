@@ -407,12 +407,22 @@ struct AffineCodec {
 
   // Wide groups: (x/2 - offset/2) * (2/scale), where x - offset could overflow.
   FASTCKPT_HD static uint32_t encode_wide(const Params& p, float x, float u) {
-    return code_of(mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(p.offset, 0.5f)), mul_rn(p.inv_scale, 2.0f)), u);
+    const float t = mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(p.offset, 0.5f)), mul_rn(p.inv_scale, 2.0f));
+    return keep_sign(p, x, code_of(t, u));
   }
 
   // All other groups: (x - offset) * (1/scale).
   FASTCKPT_HD static uint32_t encode_narrow(const Params& p, float x, float u) {
-    return code_of(mul_rn(sub_rn(x, p.offset), p.inv_scale), u);
+    return keep_sign(p, x, code_of(mul_rn(sub_rn(x, p.offset), p.inv_scale), u));
+  }
+
+  // Rounding to nearest keeps every element's sign: only an exact 0 takes the zero code, a nonzero value
+  // that rounds to it takes the neighbour on its side (ReLU's backward reads `result > 0` from its saved
+  // output, so a small positive decoded as 0 would lose its gradient). That value is within 1.5 scales.
+  FASTCKPT_HD static uint32_t keep_sign(const Params& p, float x, uint32_t code) {
+    const uint32_t z = p.zero_code, top = p.special ? kFiniteMaxCode : kMaxCode;
+    const uint32_t side = x > 0.f ? (z < top ? z + 1u : z) : (z > 0u ? z - 1u : z);
+    return code == z && x != 0.f ? side : code;
   }
 
   // t = (x - offset) / scale, rounded with offset u.
