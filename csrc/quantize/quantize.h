@@ -416,13 +416,15 @@ struct AffineCodec {
     return keep_sign(p, x, code_of(mul_rn(sub_rn(x, p.offset), p.inv_scale), u));
   }
 
-  // Rounding to nearest keeps every element's sign: only an exact 0 takes the zero code, a nonzero value
-  // that rounds to it takes the neighbour on its side (ReLU's backward reads `result > 0` from its saved
-  // output, so a small positive decoded as 0 would lose its gradient). That value is within 1.5 scales.
+  // Rounding to nearest keeps the signs of a group whose zero code is an end of its grid (ReLU outputs:
+  // min 0): only an exact 0 takes the zero code, a nonzero value rounding to it takes the next code, within
+  // 1.5 scales. ReLU's backward reads `result > 0` from its saved output, so a small positive decoded as 0
+  // would lose its whole gradient. Groups of both signs keep nearest rounding (moving their many near-zero
+  // values off 0 cost int4 40% more gradient error on a Llama).
   FASTCKPT_HD static uint32_t keep_sign(const Params& p, float x, uint32_t code) {
     const uint32_t z = p.zero_code, top = p.special ? kFiniteMaxCode : kMaxCode;
-    const uint32_t side = x > 0.f ? (z < top ? z + 1u : z) : (z > 0u ? z - 1u : z);
-    return code == z && x != 0.f ? side : code;
+    const bool positive_end = z == 0u && x > 0.f && top > 0u, negative_end = z == top && x < 0.f && top > 0u;
+    return code == z && (positive_end || negative_end) ? (positive_end ? 1u : top - 1u) : code;
   }
 
   // t = (x - offset) / scale, rounded with offset u.

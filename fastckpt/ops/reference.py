@@ -245,11 +245,13 @@ def quantize_per_group_ref(
     t = torch.where(t < max_code, t, float(max_code))
     u = _uniform01(seed, values.shape[0], group_size, x.device) if stochastic else 0.5
     codes = torch.clamp((t + u).to(torch.int32), max=max_code)
-    if not stochastic:  # rounding to nearest keeps the sign: only an exact 0 takes the zero code
+    if not stochastic:  # a zero code at an end of the grid holds exact zeros only (quantize.h's keep_sign)
         zero = _zero_codes(o, scale.float(), special, max_code)[:, None]
         top = torch.where(special, finite_max_code, max_code)[:, None]
-        side = torch.where(values > 0, torch.where(zero < top, zero + 1, zero), torch.where(zero > 0, zero - 1, zero))
-        codes = torch.where((codes == zero) & (values != 0), side, codes)
+        positive_end = (zero == 0) & (values > 0) & (top > 0)
+        negative_end = (zero == top) & (values < 0) & (top > 0)
+        moved = (codes == zero) & (positive_end | negative_end)
+        codes = torch.where(moved, torch.where(positive_end, 1, top - 1), codes)
     codes = torch.where(special[:, None], torch.clamp(codes, max=finite_max_code), codes)
     if stochastic:
         codes = _stochastic_near_zero(codes, t_raw, u, o, scale.float(), inv_scale, special, max_code)

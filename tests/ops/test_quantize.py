@@ -236,8 +236,11 @@ def test_zero_is_exact_and_constant_groups_decode_exactly(bits, dtype, stochasti
     assert_bitwise_equal((y,), (dequantize_per_group_ref(*stored, bits, 64, dtype, list(x.shape)),))
     zeros = x == 0
     assert (y[zeros] == 0).all()
-    if not stochastic:  # and every sign survives (ReLU's backward reads `output > 0`)
-        assert torch.equal(torch.sign(y), torch.sign(x))
+    if not stochastic:  # a non-negative tensor keeps its positives positive (ReLU's backward reads `output > 0`)
+        relu = torch.relu(sample((8, 64), dtype, "cpu") * 3).to(device)
+        relu[0, :5] = torch.tensor([1e-6, 2e-5, 1e-3, 0.0, 1e-2])
+        _, decoded = round_trip(relu, bits, 64)
+        assert torch.equal(decoded > 0, relu > 0) and (decoded[relu == 0] == 0).all()
     if dtype != torch.float32:
         assert torch.equal(y[6:], x[6:])
     else:  # float32 constants round to the 16-bit parameters' grid
