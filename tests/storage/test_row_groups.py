@@ -32,7 +32,8 @@ def test_rows_shorter_than_a_group_get_groups_of_their_own(codec):
 
 def test_long_rows_and_narrow_heads_keep_the_default_group():
     assert codecs.encode(torch.randn(4, 512), "int8", None, False).group_size == 128
-    assert codecs.encode(torch.randn(4, 2, 8), "int8", None, False).group_size == 128  # 8-wide heads
+    assert codecs.encode(torch.randn(4, 2, 8), "int8", None, False).group_size == 8  # 8-wide heads: rows
+    assert codecs.encode(torch.randn(4, 2, 4), "int8", None, False).group_size == 128  # narrower: the default
     assert codecs.encode(torch.randn(4, 32), "int8", 64, False).group_size == 64  # an explicit size is kept
 
 
