@@ -158,22 +158,34 @@ FASTCKPT_HD void group_range(const T* __restrict__ src, int64_t n, typename Keys
 }
 
 // Order keys of the min and max of src[0, n)'s finite elements (the keys of 0 when there are none): the
-// range of a special group, which group_range found to hold NaN or +-Inf. Rare, so a plain loop.
+// range of a special group, which group_range found to hold NaN or +-Inf. Selects only, so it vectorizes.
 template <typename T>
-void finite_range(const T* src, int64_t n, typename Keys<T>::Key& lo_key, typename Keys<T>::Key& hi_key) {
+FASTCKPT_HD void finite_range(const T* __restrict__ src, int64_t n, typename Keys<T>::Key& lo_key,
+                              typename Keys<T>::Key& hi_key) {
   using K = Keys<T>;
-  typename K::Key lo = std::numeric_limits<typename K::Key>::max();
-  typename K::Key hi = std::numeric_limits<typename K::Key>::min();
+  using Key = typename K::Key;
+  Key lo = std::numeric_limits<Key>::max();
+  Key hi = std::numeric_limits<Key>::min();
   for (int64_t i = 0; i < n; ++i) {
-    const auto k = K::of(src[i]);
-    if (k > K::kNegInf && k < K::kPosInf) {
-      lo = std::min(lo, k);
-      hi = std::max(hi, k);
-    }
+    const Key k = K::of(src[i]);
+    const bool finite = k > K::kNegInf && k < K::kPosInf;
+    const Key low = finite ? k : std::numeric_limits<Key>::max(), high = finite ? k : std::numeric_limits<Key>::min();
+    lo = low < lo ? low : lo;
+    hi = high > hi ? high : hi;
   }
   const bool none = lo > hi;
   lo_key = none ? typename K::Key{0} : lo;  // key 0 is +0.0 for every key width
   hi_key = none ? typename K::Key{0} : hi;
+}
+
+// One code per byte for src[0, n) of a special group: reserved codes for NaN and +-Inf (selects only).
+template <typename T, typename Codec, bool kStochastic>
+FASTCKPT_HD void encode_special_group(const T* __restrict__ src, uint8_t* __restrict__ out, int64_t n,
+                                      const GroupParams& p, uint32_t key) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float u = kStochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
+    out[i] = static_cast<uint8_t>(Codec::encode_special(p, to_float(src[i]), u, kStochastic));
+  }
 }
 
 // One code per byte for src[0, n). kWide: the group is wide (rare; see AffineCodec).
@@ -250,11 +262,10 @@ FASTCKPT_HD void encode_block(const T* src, uint8_t* unpacked, int64_t count, in
       encoded = src + at;
     }
     if (p.special) {
-      // NaN and +-Inf take reserved codes (rare: one select chain per element, outside the vector loops).
-      const uint32_t key = stochastic ? group_key(seed_key, g0 + b) : 0u;
-      for (int64_t i = 0; i < n; ++i) {
-        const float u = stochastic ? uniform01(key, static_cast<uint32_t>(i)) : 0.5f;
-        unpacked[at + i] = static_cast<uint8_t>(Codec::encode_special(p, to_float(encoded[i]), u, stochastic));
+      if (stochastic) {
+        encode_special_group<BlockValue<T>, Codec, true>(encoded, unpacked + at, n, p, group_key(seed_key, g0 + b));
+      } else {
+        encode_special_group<BlockValue<T>, Codec, false>(encoded, unpacked + at, n, p, 0);
       }
     } else if (kMayBeWide && p.wide) {
       if (stochastic) {
