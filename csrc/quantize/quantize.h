@@ -421,10 +421,13 @@ struct AffineCodec {
   // 1.5 scales. ReLU's backward reads `result > 0` from its saved output, so a small positive decoded as 0
   // would lose its whole gradient. Groups of both signs keep nearest rounding (moving their many near-zero
   // values off 0 cost int4 40% more gradient error on a Llama).
+  // As min/max with per-group bounds (loop-invariant), so that the encode loops stay vector loops.
   FASTCKPT_HD static uint32_t keep_sign(const Params& p, float x, uint32_t code) {
     const uint32_t z = p.zero_code, top = p.special ? kFiniteMaxCode : kMaxCode;
-    const bool positive_end = z == 0u && x > 0.f && top > 0u, negative_end = z == top && x < 0.f && top > 0u;
-    return code == z && (positive_end || negative_end) ? (positive_end ? 1u : top - 1u) : code;
+    const uint32_t lowest_positive = z == 0u && top > 0u ? 1u : 0u;           // positives stay above code 0
+    const uint32_t highest_negative = z == top && top > 0u ? top - 1u : top;  // negatives stay below the top
+    code = x > 0.f && code < lowest_positive ? lowest_positive : code;
+    return x < 0.f && code > highest_negative ? highest_negative : code;
   }
 
   // t = (x - offset) / scale, rounded with offset u.
