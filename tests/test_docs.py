@@ -43,11 +43,13 @@ BLOCKS = [
 
 
 def needs_newer_torch(code: str) -> str | None:
-    """Why this torch cannot run `code`, or None: codecs under torch's SAC need torch >= 2.14."""
-    from fastckpt import hybrid
+    """Why this torch cannot run `code`, or None: codecs under torch's SAC and fastckpt.compile need torch 2.14."""
+    from fastckpt import compiled, hybrid
 
     if "hybrid.selective(" in code and not hybrid._sac_honours_hooks():
         return f"hybrid.selective with a codec needs torch >= 2.14 (this is {torch.__version__})"
+    if "fastckpt.compile(" in code and not compiled.IN_GRAPH_STORAGE:
+        return f"fastckpt.compile needs torch >= {compiled.TORCH_NEEDED} (this is {torch.__version__})"
     return None
 
 
