@@ -37,7 +37,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WARMUP = 4  # untimed calls per block: steady state takes ~4 on the CPU machine (allocator, caches)
 TIMED_PER_BLOCK = 2
 MIN_SAMPLES, MAX_SAMPLES, SECONDS_PER_CASE = 6, 40, 0.3
-ETA_TARGET = {"cpu": (0.5, 8), "cuda": (0.8, 32)}  # (eta, from this size in MB): the README's targets
+ETA_TARGET = {"cpu": (0.5, 8), "cuda": (0.8, 32)}  # (eta, from this size in MB): the targets in BENCHMARKS.md
 COLUMNS = ("op", "dtype", "size_mb", "time_ms", "gb_s", "eta", "memcpy_gb_s", "device", "threads")
 
 

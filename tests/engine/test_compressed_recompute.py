@@ -91,7 +91,7 @@ def test_gradients_within_codec_bounds(use_reentrant):
         assert torch.equal(ours[0], plain[0]), "the forward output does not depend on how recomputed tensors are kept"
         assert torch.equal(ours[2], plain[2]), "the caller's RNG stream moved"
         errors[spec] = ((all_grads(ours) - all_grads(plain)).norm() / all_grads(plain).norm()).item()
-    # int8 <= 1e-2 (README target); int4 has 17x coarser steps (15 vs 255 levels) and stays under 1e-1 here.
+    # int8 <= 1e-2 (the target, BENCHMARKS.md); int4 has 17x coarser steps (15 vs 255 levels) and stays under 1e-1 here.
     assert 0 < errors["recompute:int8"] <= 1e-2, errors
     assert 0 < errors["recompute:int8+int8"] <= 1e-2, errors
     assert errors["recompute:int8"] < errors["recompute:int4"] <= 1e-1, errors

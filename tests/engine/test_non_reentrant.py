@@ -1,4 +1,4 @@
-"""Non-reentrant checkpoint behaviours (the drop-in contract in the README), each checked against plain autograd."""
+"""Non-reentrant checkpoint behaviours (the drop-in contract: docs/policies.md), each checked against plain autograd."""
 
 from __future__ import annotations
 

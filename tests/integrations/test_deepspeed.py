@@ -23,7 +23,7 @@ from tests.models import TransformerBlock  # noqa: E402
 from tests.multiprocess import run_in_processes  # noqa: E402
 
 TRACKER = "model-parallel-rng"  # DeepSpeed's default tracker name, the one fork() uses
-GRAD_TOLERANCE = 1e-2  # README's int8 target: relative L2 per parameter gradient vs plain
+GRAD_TOLERANCE = 1e-2  # the int8 target (BENCHMARKS.md): relative L2 per parameter gradient vs plain
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ import torch
 import fastckpt
 from fastckpt.policies import Policy
 
-# The targets (README): stored bits per saved float element, scale/offset included.
+# The targets (BENCHMARKS.md): stored bits per saved float element, scale/offset included.
 BPE_TARGET = {"int8": 8.5, "fp8": 8.5, "int4": 4.5, "int2": 2.5}
 
 
