@@ -38,7 +38,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from fastckpt.engine.options import CheckpointOptions
 from fastckpt.policies import Policy, resolve
 from fastckpt.storage import codecs
-from fastckpt.storage.packer import SegmentStorage, _Stored, dense_permutation, value_keep_plain_reason
+from fastckpt.storage.packer import SegmentStorage, _Stored, value_keep_plain_reason
 
 ANNOTATION = "fastckpt_policy"  # the key of a segment's policy in its ops' node.meta["custom"]
 TORCH_NEEDED = "2.14"  # the release in which the pieces below were checked
@@ -211,22 +211,21 @@ class GraphStorage:
             _name_rng_states_as_backward_does(context["_fw_graph"], context["_bw_graph"])
         self._before_pack.setdefault(node, set(context["_fw_graph"].nodes))
         policy = self._claim(node)
-        codec, reason, order = None, "no policy", dense_permutation(t)
+        codec, reason = None, "no policy"
         if policy is not None:
             reason = value_keep_plain_reason(t, policy, "graph input" if node.op == "placeholder" else None)
-            if reason is None and not t.is_contiguous() and order is None:
+            if reason is None and not t.is_contiguous() and codecs.dense_permutation(t) is None:
                 reason = "not dense"
             if reason is None:
                 codec = "mask" if t.dtype == torch.bool else policy.codec
         if codec is None:
             self._note(context, node, t, policy, f"plain ({reason})", t.numel() * t.element_size())
             return t
-        encoded = codecs.encode(t.permute(order) if order else t, codec, None, False)
-        layout = tuple(order.index(d) for d in range(t.dim())) if order else ()
+        encoded = codecs.encode_tensor(t, codec, None, False, exact_two=False)  # no data-dependent choice in a graph
         stored_bytes = sum(x.numel() * x.element_size() for x in encoded.payload)
         self._note(context, node, t, policy, codec, stored_bytes)
         # Tensors, then constants (AOTAutograd inlines non-tensor leaves into the unpack graph).
-        return (*encoded.payload, codec, encoded.group_size, t.dtype, list(encoded.shape), layout)
+        return (*encoded.payload, codec, encoded.group_size, t.dtype, list(encoded.shape), encoded.layout or ())
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         context = _get_saved_tensor_hook_context()
@@ -237,8 +236,7 @@ class GraphStorage:
         if isinstance(packed, _EagerPacked):
             return packed.storage.unpack(packed.stored)
         *payload, codec, group_size, dtype, shape, layout = packed
-        tensor = codecs.decode(codecs.Encoded(codec, tuple(payload), group_size, dtype, shape))
-        return tensor.permute(layout) if layout else tensor
+        return codecs.decode(codecs.Encoded(codec, tuple(payload), group_size, dtype, shape, tuple(layout) or None))
 
     def _place(self, context: dict) -> None:
         """Put the inlined pack and unpack ops where they free memory. AOTAutograd appends each saved tensor's

@@ -1,7 +1,9 @@
 """Compressed storage of one tensor: per-group int8/int4/int2, fp8, exact 1-bit masks, and exact two-valued floats.
 
-`encode` returns an `Encoded` record (the payload tensors are all that is kept); `decode` rebuilds
-the tensor from it. The kernels are the compiled ops in fastckpt.ops.
+`encode_tensor` is the one way a saved tensor is encoded (eager storage and compiled graphs alike): in its
+memory order, exactly when it holds at most two values, else by the codec. It returns an `Encoded` record
+(the payload tensors are all that is kept); `decode` rebuilds the tensor, with the saved one's strides.
+The kernels are the compiled ops in fastckpt.ops.
 """
 
 from __future__ import annotations
@@ -25,7 +27,31 @@ class Encoded:
     payload: tuple[torch.Tensor, ...]
     group_size: int
     dtype: torch.dtype
-    shape: torch.Size
+    shape: torch.Size  # as encoded: the saved tensor's sizes in its memory order
+    layout: tuple[int, ...] | None = None  # the permutation that gives the decoded tensor the saved one's strides
+
+
+def dense_permutation(t: torch.Tensor) -> tuple[int, ...] | None:
+    """The dimension order in which `t` is contiguous, when it is a permuted dense tensor (e.g. a transpose or
+    attention's (batch, heads, tokens, dim) view of (batch, tokens, heads, dim) memory); None otherwise."""
+    if t.is_contiguous():
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def encode_tensor(t: torch.Tensor, codec: str, group_size: int | None, stochastic: bool, exact_two: bool) -> Encoded:
+    """`t` as `codec` keeps it ('mask' for bool tensors). A permuted dense tensor is encoded in its memory order
+    (the kernels would copy it to row-major first) and permuted back by decode. With `exact_two`, a float tensor
+    of at most two values (an additive attention mask of 0 and -inf, a constant) is kept exactly at 1 bit per
+    element instead (two_valued: a data-dependent check, so eager storage only)."""
+    order = dense_permutation(t)
+    source = t.permute(order) if order else t
+    encoded = two_valued(source) if exact_two and codec != "mask" else None
+    if encoded is None:
+        encoded = encode(source, codec, group_size, stochastic)
+    encoded.layout = tuple(order.index(d) for d in range(t.dim())) if order else None
+    return encoded
 
 
 def sample_index(numel: int, device: torch.device) -> torch.Tensor:
@@ -89,7 +115,12 @@ def encode(t: torch.Tensor, codec: str, group_size: int | None, stochastic: bool
 
 
 def decode(e: Encoded) -> torch.Tensor:
-    """Rebuild the (approximate, or exact for masks and two-valued) tensor."""
+    """Rebuild the (approximate, or exact for masks and two-valued) tensor, with the saved one's strides."""
+    tensor = _decode_memory_order(e)
+    return tensor.permute(e.layout) if e.layout else tensor
+
+
+def _decode_memory_order(e: Encoded) -> torch.Tensor:
     from fastckpt import ops
 
     if e.codec == "mask":

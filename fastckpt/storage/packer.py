@@ -33,15 +33,6 @@ def _is_parameter_like(t: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-def dense_permutation(t: torch.Tensor) -> tuple[int, ...] | None:
-    """The dimension order in which `t` is contiguous, when it is a permuted dense tensor (e.g. a transpose or
-    attention's (batch, heads, tokens, dim) view of (batch, tokens, heads, dim) memory); None otherwise."""
-    if t.is_contiguous():
-        return None
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
-    return order if t.permute(order).is_contiguous() else None
-
-
 def _is_cheap_broadcast(t: torch.Tensor, policy: Policy) -> bool:
     """An expanded view (a zero stride, e.g. a [B, 1, T, T] attention mask broadcast over heads) whose memory
     is at most the codec's bits per element of the view: kept plain, it is exact and costs no more."""
@@ -78,25 +69,16 @@ class _Stored:
     """One tensor as the policy keeps it: its tensors (plain, or a codec's payload), maybe on host.
 
     `version` is the saved tensor's version counter at pack when `tensors` alias it (kept or stored
-    plainly): an in-place change before backward is then caught at unpack, as autograd does. `layout`
-    is the inverse permutation that gives an encoded tensor back its strides (None: contiguous).
+    plainly): an in-place change before backward is then caught at unpack, as autograd does.
     """
 
-    __slots__ = ("encoded", "tensors", "on_host", "version", "layout", "__weakref__")
+    __slots__ = ("encoded", "tensors", "on_host", "version", "__weakref__")
 
-    def __init__(
-        self,
-        encoded: codecs.Encoded | None,
-        tensors: tuple,
-        on_host: bool,
-        version: int | None,
-        layout: tuple[int, ...] | None = None,
-    ) -> None:
+    def __init__(self, encoded: codecs.Encoded | None, tensors: tuple, on_host: bool, version: int | None) -> None:
         self.encoded = encoded
         self.tensors = tensors
         self.on_host = on_host
         self.version = version
-        self.layout = layout
 
     def check_version(self, policy: str) -> None:
         if self.version is None or self.tensors[0]._version == self.version:
@@ -158,20 +140,11 @@ class SegmentStorage:
     def _store(self, t: torch.Tensor, policy: Policy) -> _Stored:
         t = t.detach()
         codec = "mask" if t.dtype == torch.bool else policy.codec
-        # A permuted dense tensor is encoded in its memory order (the codecs would copy it to row-major
-        # first) and permuted back at unpack, so the tensor handed back has the saved one's strides.
-        order = dense_permutation(t) if codec else None
-        source = t.permute(order) if order else t
         encoded = None
         if codec:
-            # A float tensor of at most two values (an additive attention mask of 0 and -inf, a constant) is
-            # kept exactly at 1 bit per element instead of lossily by the policy's codec; two_valued looks at
-            # a small sample first, so an ordinary activation costs little.
-            encoded = codecs.two_valued(source) if codec != "mask" else None
-            if encoded is None:
-                encoded = codecs.encode(source, codec, policy.group_size, policy.stochastic_rounding)
+            # two_valued looks at a small sample first, so an ordinary activation costs little
+            encoded = codecs.encode_tensor(t, codec, policy.group_size, policy.stochastic_rounding, exact_two=True)
             self.record.codecs.add(encoded.codec)
-        layout = tuple(order.index(d) for d in range(t.dim())) if order else None
         tensors = encoded.payload if encoded else (t,)
         nbytes = sum(_nbytes(x) for x in tensors)
         if policy.offload and t.device.type != "cpu":
@@ -179,9 +152,9 @@ class SegmentStorage:
             if self._offload_group is None:
                 self._offload_group = offload.ENGINE.group()
             copies = tuple(offload.to_host(x, self._offload_group) for x in tensors)
-            return _Stored(encoded, copies, True, None, layout)
+            return _Stored(encoded, copies, True, None)
         self.record.device_bytes += nbytes
-        return _Stored(encoded, tensors, False, None if encoded else t._version, layout)
+        return _Stored(encoded, tensors, False, None if encoded else t._version)
 
     def unpack(self, stored: _Stored) -> torch.Tensor:
         stored.check_version(self.record.policy)
@@ -194,7 +167,5 @@ class SegmentStorage:
             offload.ENGINE.entering(self._offload_group)  # prefetch the segment backward runs next
         tensors = tuple(offload.to_device(x) for x in stored.tensors) if stored.on_host else stored.tensors
         tensor = codecs.decode(dataclasses.replace(stored.encoded, payload=tensors)) if stored.encoded else tensors[0]
-        if stored.layout is not None:
-            tensor = tensor.permute(stored.layout)
         self.record.unpack_seconds += time.perf_counter() - start
         return tensor

@@ -7,7 +7,8 @@ import torch
 
 import fastckpt
 from fastckpt.policies import Policy
-from fastckpt.storage.packer import SegmentStorage, dense_permutation
+from fastckpt.storage.codecs import dense_permutation
+from fastckpt.storage.packer import SegmentStorage
 
 
 @pytest.mark.parametrize(
