@@ -7,7 +7,71 @@ import fastckpt
 from fastckpt import hybrid, tiling
 from fastckpt.planner import DEFAULT_CANDIDATES, NONE, Candidate, extended_candidates, parse_candidate
 from fastckpt.policies import Policy
-from tests.test_tiling import AttentionHalf
+from tests.test_tiling import AttentionHalf, rel, run
+
+aten = torch.ops.aten
+
+
+def test_parse_candidate():
+    assert str(parse_candidate("selective:int4")) == "selective:int4"
+    attention = parse_candidate("selective-attention:int8")
+    assert str(attention) == "selective-attention:int8"
+    assert attention.selective.ops == (*hybrid.attention_ops(), aten.bernoulli_)  # hybrid.keep_attention
+    assert attention.selective.within == {torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.dropout}
+    assert repr(attention.selective).endswith("store='int8', within=['dropout', 'scaled_dot_product_attention'])")
+    assert str(attention.policy) == "recompute+int8" and str(attention.selective.store) == "int8"
+    assert str(parse_candidate(" selective-attention: recompute+int8 ")) == "selective-attention:int8"
+    compressed = parse_candidate("selective-attention:recompute:int8+int8")
+    assert str(compressed) == "selective-attention:recompute:int8+int8"
+    assert str(compressed.policy) == "recompute:int8+int8" and str(compressed.selective.store) == "int8"
+    assert str(parse_candidate("selective:save").policy) == "recompute"  # torch's SAC, inputs plain
+    with pytest.raises(ValueError, match="needs a codec for the kept outputs"):
+        parse_candidate("selective:recompute")
+    assert parse_candidate("recompute+int8").selective is None
+    with pytest.raises(ValueError, match="name a storage policy"):
+        parse_candidate("selective:")
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("batch2:recompute+int8", "batch2:recompute+int8"),
+        (" batch4 : recompute ", "batch4:recompute"),
+        ("batch2:recompute:int8+int8", "batch2:recompute:int8+int8"),
+        ("batch2:selective-attention:int8", "batch2:selective-attention:int8"),
+        ("batch2:int8", "batch2:int8"),
+        ("recompute:int8", None),
+        ("int8", None),
+        ("selective:int8", None),
+    ],
+)
+def test_batch_candidates_parse(name, expected):
+    parsed = parse_candidate(name)
+    assert (None if parsed.batch_slices == 1 else str(parsed)) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "named"),
+    [("batch1:recompute", "number of batch slices"), ("batchx:recompute", "number of batch slices"),
+     ("batch2:int5", "int5"), ("batch2:selective:recompute", "needs a codec")],
+)  # fmt: skip
+def test_bad_batch_candidates_are_named(name, named):
+    with pytest.raises(ValueError, match=named):
+        parse_candidate(name)
+
+
+def test_batch_slices_with_a_selective_candidate():
+    candidate = parse_candidate("batch2:selective-attention:int8")
+    assert str(candidate.policy) == "recompute+int8"
+    assert str(candidate.selective) == "selective-attention:int8"
+    module = candidate.wrap(AttentionHalf())
+    assert isinstance(module, tiling.TiledWrapper) and (module.chunks, module.dim) == (2, 0)
+    x = torch.randn(4, 40, 32)
+    _, plain = run(AttentionHalf(), x)
+    with fastckpt.track() as report:
+        _, got = run(module, x)
+    assert 0 < rel(got, plain) <= 1e-2
+    assert [s.policy for s in report.segments] == ["recompute+int8", "selective-attention:int8"] * 2  # per slice
 
 
 def test_candidates_are_immutable_and_equal_by_name():
