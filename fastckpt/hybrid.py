@@ -36,9 +36,7 @@ are kept.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -50,7 +48,7 @@ from fastckpt.engine import kept_ops
 from fastckpt.policies import Policy
 from fastckpt.storage.packer import SegmentStorage
 
-PREFIX = "selective:"  # planner candidates and labels: 'selective:int8' is selective(store='int8')
+PREFIX = "selective:"  # labels: 'selective:int8' is selective(store='int8')
 # ... and 'selective-attention:int8' is keep_attention(store='int8'): only the fused attention (and dropout's masks)
 # kept, so a recomputation reruns the cheap projections and pointwise ops but not the attention kernel.
 ATTENTION_PREFIX = "selective-attention:"
@@ -152,8 +150,7 @@ class Selective:
 
     @property
     def prefix(self) -> str:
-        """How labels and planner candidates name it: 'selective-attention:' for the attention ops alone (and
-        dropout's masks)."""
+        """How labels name it: 'selective-attention:' for the attention ops alone (and dropout's masks)."""
         attention, fills = set(attention_ops()), set(kept_ops.RANDOM_FILLS)
         ops = set(self.ops)
         return ATTENTION_PREFIX if ops & attention and ops <= attention | fills else PREFIX
@@ -221,48 +218,6 @@ class SelectiveWrapper(CheckpointWrapper):
         return checkpoint(
             self.checkpointed, *args, use_reentrant=False, policy=self.policy, context_fn=self.selective, **kwargs
         )
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A planner candidate: segments checkpointed under `policy` with `selective` as their context_fn."""
-
-    selective: Selective
-    policy: Policy
-
-    def __str__(self) -> str:
-        if self.policy == dataclasses.replace(self.selective.store, recompute=True):
-            return str(self.selective)  # the short form: 'selective:int8' runs under 'recompute+int8'
-        return f"{self.selective.prefix}{self.policy}"
-
-    def wrap(self, module: torch.nn.Module) -> SelectiveWrapper:
-        return wrap(module, self.selective, self.policy)
-
-
-def parse_candidate(name: str) -> Candidate | None:
-    """A planner candidate 'selective:<spec>' (the default ops) or 'selective-attention:<spec>' (the fused
-    attention and dropout's masks, `keep_attention`); None for any other string. <spec> is a storage policy
-    ('int8': the kept outputs and the segment's inputs int8, the segment under 'recompute+int8') or a
-    recompute policy with a codec ('recompute:int8+int8': the segment under it, the kept outputs through
-    its codec)."""
-    if not isinstance(name, str):
-        return None
-    for prefix, build in ((PREFIX, lambda store: Selective(store=store)), (ATTENTION_PREFIX, keep_attention)):
-        if name.strip().startswith(prefix):
-            text = name.strip()[len(prefix) :].strip()
-            if not text:
-                raise ValueError(f"{name!r}: name a storage policy after {prefix!r}, e.g. '{prefix}int8'")
-            spec = Policy.parse(text)
-            if not spec.recompute:
-                return Candidate(build(spec), dataclasses.replace(spec, recompute=True))
-            if spec.codec is None:
-                raise ValueError(
-                    f"{name!r}: a recompute policy after {prefix!r} needs a codec for the kept outputs, e.g. "
-                    f"'{prefix}recompute:int8+int8'"
-                )
-            store = dataclasses.replace(spec, recompute=False, recompute_codec=None)
-            return Candidate(build(store), spec)
-    return None
 
 
 # ---- internals -------------------------------------------------------------------------------------------

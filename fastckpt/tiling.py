@@ -8,20 +8,15 @@ chunk by chunk, each chunk under `checkpoint`, leaves one chunk's activations al
 all of them: along the tokens for position-wise modules (an MLP), along the batch for any module that
 treats every sample alone (attention, a whole transformer block). The wrapped module's parameters receive
 the sum of the chunks' gradients (the same value as untiled, summed in another order).
-
-The planner takes batch slicing as a candidate: 'batch<N>:<policy or selective candidate>'
-(`parse_candidate`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fastckpt import hybrid
 from fastckpt.api import CheckpointWrapper, checkpoint
 from fastckpt.policies import Policy
 
@@ -130,45 +125,3 @@ def tiled(
             "instead of recomputing (use a recompute policy, or drop context_fn)"
         )
     return TiledWrapper(module, chunks, dim, resolved, context_fn)
-
-
-# Planner candidates: 'batch2:recompute+int8' is tiled(segment, 2, dim=0, policy='recompute+int8'),
-# 'batch2:int8' the same storing each slice int8, and 'batch2:selective-attention:int8' is
-# tiled(segment, 2, dim=0, policy='recompute+int8', context_fn=hybrid.keep_attention('int8')).
-BATCH_PREFIX = "batch"
-
-
-@dataclass(frozen=True)
-class BatchSplit:
-    """A planner candidate: the segment run on `chunks` slices of its batch, each checkpointed as `inner` (a
-    policy, or a selective candidate: its policy and context_fn)."""
-
-    chunks: int
-    inner: Policy | hybrid.Candidate
-
-    def __str__(self) -> str:
-        return f"{BATCH_PREFIX}{self.chunks}:{self.inner}"
-
-    def wrap(self, module: torch.nn.Module) -> TiledWrapper:
-        if isinstance(self.inner, hybrid.Candidate):
-            return tiled(module, self.chunks, dim=0, policy=self.inner.policy, context_fn=self.inner.selective)
-        return tiled(module, self.chunks, dim=0, policy=self.inner)
-
-
-def parse_candidate(name: object) -> BatchSplit | None:
-    """'batch<N>:<policy or selective candidate>' (a planner candidate) as a BatchSplit; None for any other
-    string."""
-    if not isinstance(name, str):
-        return None
-    head, colon, policy = name.strip().partition(":")
-    if not (colon and head.startswith(BATCH_PREFIX)):
-        return None
-    count = head[len(BATCH_PREFIX) :].strip()
-    if not (count.isdigit() and int(count) >= 2):
-        raise ValueError(
-            f"{name!r}: write the number of batch slices (>= 2) after {BATCH_PREFIX!r}, e.g. 'batch2:recompute'"
-        )
-    selective = hybrid.parse_candidate(policy)
-    if selective is not None:
-        return BatchSplit(int(count), selective)
-    return BatchSplit(int(count), Policy.parse(policy.strip()))

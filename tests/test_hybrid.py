@@ -353,26 +353,6 @@ def test_attention_only_on_cuda_reruns_no_attention_kernel(form):
     torch.testing.assert_close(out, block(x.detach()), rtol=1e-6, atol=1e-6)
 
 
-def test_parse_candidate():
-    assert str(hybrid.parse_candidate("selective:int4")) == "selective:int4"
-    attention = hybrid.parse_candidate("selective-attention:int8")
-    assert str(attention) == "selective-attention:int8"
-    assert attention.selective.ops == (*hybrid.attention_ops(), aten.bernoulli_)  # hybrid.keep_attention
-    assert attention.selective.within == {torch.nn.functional.scaled_dot_product_attention, torch.nn.functional.dropout}
-    assert repr(attention.selective).endswith("store='int8', within=['dropout', 'scaled_dot_product_attention'])")
-    assert str(attention.policy) == "recompute+int8" and str(attention.selective.store) == "int8"
-    assert str(hybrid.parse_candidate(" selective-attention: recompute+int8 ")) == "selective-attention:int8"
-    compressed = hybrid.parse_candidate("selective-attention:recompute:int8+int8")
-    assert str(compressed) == "selective-attention:recompute:int8+int8"
-    assert str(compressed.policy) == "recompute:int8+int8" and str(compressed.selective.store) == "int8"
-    assert str(hybrid.parse_candidate("selective:save").policy) == "recompute"  # torch's SAC, inputs plain
-    with pytest.raises(ValueError, match="needs a codec for the kept outputs"):
-        hybrid.parse_candidate("selective:recompute")
-    assert hybrid.parse_candidate("recompute+int8") is None
-    with pytest.raises(ValueError, match="name a storage policy"):
-        hybrid.parse_candidate("selective:")
-
-
 @pytest.mark.parametrize(
     "call, error, message",
     [

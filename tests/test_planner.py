@@ -12,25 +12,26 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastckpt
-from fastckpt import hybrid, planner
+from fastckpt import hybrid
 from fastckpt.api import CheckpointWrapper
 from fastckpt.memory import MemoryTrace, peak_bytes
 from fastckpt.planner import (
     DEFAULT_CANDIDATES,
     NONE,
+    REFERENCE,
+    Candidate,
     CandidateMeasurement,
     Measurements,
     Segment,
     SegmentCost,
-    _fastest_within,
-    _name,
-    _predicted_peak,
-    _samples_mixed,
-    _smallest_peak,
     extended_candidates,
     max_relative_error,
     measure,
+    parse_candidate,
 )
+from fastckpt.planner.checks import samples_mixed
+from fastckpt.planner.measurement import segment_seconds
+from fastckpt.planner.model import fastest_within, predicted_peak, smallest_peak
 from fastckpt.storage import codecs
 from fastckpt.tiling import TiledWrapper
 
@@ -332,11 +333,12 @@ def test_the_sample_check_leaves_the_buffers_as_the_step_left_them():
     checked, step = batchnorm_model()
     twin, twin_step = batchnorm_model()
     segments = [Segment(f"blocks.{i}", checked.blocks, str(i), b) for i, b in enumerate(checked.blocks)]
-    assert list(_samples_mixed(segments, step, torch.device("cpu"), ["batch2:recompute", "int8"])) == [2]
+    candidates = [parse_candidate("batch2:recompute"), parse_candidate("int8")]
+    assert list(samples_mixed(segments, step, torch.device("cpu"), candidates)) == [2]
     twin_step()  # the check ran one step, then its own forwards, whose running statistics it undid
     for b, t in zip(checked.blocks, twin.blocks, strict=True):
         torch.testing.assert_close(b.norm.running_mean, t.norm.running_mean, rtol=0, atol=0)
-    assert _samples_mixed(segments, lambda: None, torch.device("cpu"), ["batch2:recompute"]) == {}  # ran none
+    assert samples_mixed(segments, lambda: None, torch.device("cpu"), candidates[:1]) == {}  # ran none
 
 
 def test_batch_slices_are_compared_with_the_same_slices_kept_exactly():
@@ -355,7 +357,7 @@ def test_extended_candidates_name_valid_distinct_candidates():
     names = extended_candidates(batch_slices=[2, 4])
     assert names[: len(DEFAULT_CANDIDATES)] == list(DEFAULT_CANDIDATES)
     assert len(set(names)) == len(names) and {"batch2:int8", "batch4:recompute:int8+int8"} <= set(names)
-    assert [_name(n) for n in names] == names  # each its own canonical name
+    assert [parse_candidate(n).name for n in names] == names  # each its own canonical name
     assert "selective-attention:int8" in names and "batch2:selective-attention:int8" in names
     assert extended_candidates() == [n for n in names if not n.startswith("batch")]
     with pytest.raises(ValueError, match="batch slice count must be an integer >= 2"):
@@ -457,20 +459,20 @@ def test_solver_matches_brute_force(seed):
     n = 5
     measurements = synthetic(n, names, seed, unit=4099)
     assignments = list(itertools.product(names, repeat=n))
-    peaks = {a: _predicted_peak(measurements, list(a)) for a in assignments}
+    peaks = {a: predicted_peak(measurements, list(a)) for a in assignments}
     smallest, largest = min(peaks.values()), max(peaks.values())
-    assert _predicted_peak(measurements, _smallest_peak(measurements, names, n)) == smallest
+    assert predicted_peak(measurements, smallest_peak(measurements, names, n)) == smallest
 
     def seconds(a):
         return sum(measurements[p].segments[i].seconds for i, p in enumerate(a))
 
     for budget in (smallest - 1, smallest, (smallest + largest) // 2, largest):
         feasible = [a for a in assignments if peaks[a] <= budget]
-        chosen = _fastest_within(measurements, names, n, budget)
+        chosen = fastest_within(measurements, names, n, budget)
         if not feasible:
             assert chosen is None
             continue
-        assert chosen is not None and _predicted_peak(measurements, chosen) <= budget
+        assert chosen is not None and predicted_peak(measurements, chosen) <= budget
         assert seconds(chosen) == pytest.approx(min(seconds(a) for a in feasible), abs=1e-12)
 
 
@@ -517,8 +519,6 @@ def test_memory_trace_counts_what_the_step_allocates():
 
 
 def test_segment_times_take_the_fastest_run_and_pool_identical_blocks():
-    from fastckpt.planner import Segment, _segment_seconds
-
     blocks = [Block(), Block(), Block(), nn.Linear(64, 64)]
     segments = [Segment(str(i), nn.Module(), str(i), b) for i, b in enumerate(blocks)]
     runs = [
@@ -526,7 +526,7 @@ def test_segment_times_take_the_fastest_run_and_pool_identical_blocks():
         [1.1, 1.0, 3.0, 4.0, 0.0],
     ]
     # fastest runs: 1.0, 1.0, 1.2 for the identical blocks (median 1.0), 4.0 for the Linear of its own kind
-    assert _segment_seconds(segments, runs) == [1.0, 1.0, 1.0, 4.0]
+    assert segment_seconds(segments, runs) == [1.0, 1.0, 1.0, 4.0]
 
 
 # ---- max_error: candidates whose measured gradient error exceeds it are left out ----
@@ -640,10 +640,8 @@ def test_a_candidate_whose_stored_form_gives_nan_gradients_is_never_kept(max_err
 
 def test_the_reference_giving_nan_gradients_refuses_the_plan(monkeypatch, int8_decodes_nan):
     model, step = make_head_first(Block)
-    runner = planner._runner
-    monkeypatch.setattr(
-        planner, "_runner", lambda module, name: runner(module, "int8" if name == "recompute" else name)
-    )
+    wrap, int8 = Candidate.wrap, parse_candidate("int8")
+    monkeypatch.setattr(Candidate, "wrap", lambda self, module: wrap(int8 if self.name == REFERENCE else self, module))
     with pytest.raises(RuntimeError, match="candidate 'recompute' gives NaN/inf gradients from segment 'blocks.2'"):
         fastckpt.plan(model, step, "100%", candidates=[NONE, "recompute"])
 

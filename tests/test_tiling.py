@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import tiling
 from fastckpt.memory import peak_bytes
 
 
@@ -206,45 +205,3 @@ def test_an_unsplit_input_that_carries_the_split_dimension_is_an_error():
     with pytest.raises(ValueError, match="only the first input is split"):
         fastckpt.tiled(AddBias(), 2, dim=0)(x, bias)
     torch.testing.assert_close(fastckpt.tiled(AddBias(), 2, dim=0)(x, bias[:1]), x + bias[:1])
-
-
-@pytest.mark.parametrize(
-    ("name", "expected"),
-    [
-        ("batch2:recompute+int8", "batch2:recompute+int8"),
-        (" batch4 : recompute ", "batch4:recompute"),
-        ("batch2:recompute:int8+int8", "batch2:recompute:int8+int8"),
-        ("batch2:selective-attention:int8", "batch2:selective-attention:int8"),
-        ("batch2:int8", "batch2:int8"),
-        ("recompute:int8", None),
-        ("int8", None),
-        ("selective:int8", None),
-    ],
-)
-def test_batch_candidates_parse(name, expected):
-    parsed = tiling.parse_candidate(name)
-    assert (None if parsed is None else str(parsed)) == expected
-
-
-@pytest.mark.parametrize(
-    ("name", "named"),
-    [("batch1:recompute", "number of batch slices"), ("batchx:recompute", "number of batch slices"),
-     ("batch2:int5", "int5"), ("batch2:selective:recompute", "needs a codec")],
-)  # fmt: skip
-def test_bad_batch_candidates_are_named(name, named):
-    with pytest.raises(ValueError, match=named):
-        tiling.parse_candidate(name)
-
-
-def test_batch_slices_with_a_selective_candidate():
-    candidate = tiling.parse_candidate("batch2:selective-attention:int8")
-    assert str(candidate.inner.policy) == "recompute+int8"
-    assert str(candidate.inner.selective) == "selective-attention:int8"
-    module = candidate.wrap(AttentionHalf())
-    assert isinstance(module, tiling.TiledWrapper) and (module.chunks, module.dim) == (2, 0)
-    x = torch.randn(4, 40, 32)
-    _, plain = run(AttentionHalf(), x)
-    with fastckpt.track() as report:
-        _, got = run(module, x)
-    assert 0 < rel(got, plain) <= 1e-2
-    assert [s.policy for s in report.segments] == ["recompute+int8", "selective-attention:int8"] * 2  # per slice

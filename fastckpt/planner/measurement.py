@@ -1,0 +1,350 @@
+"""Measuring candidates: a handful of step() runs, and what they give per candidate and segment.
+
+Every segment runs under one candidate at a time: one run under a MemoryTrace (fastckpt.memory) with marks at
+each segment's forward start/end (module hooks) and at its backward start/end (gradient hooks on its
+outputs/inputs), then `repeats` timed runs per candidate, candidates interleaved round by round. From the
+marks, per candidate p and segment i:
+
+    K_i(p)  kept bytes: live bytes added from segment i's start to segment i+1's start (the last one: to its
+            end). What the segment keeps for backward, plus its output minus its input when nothing keeps
+            the input; the sum over segments 1..i is what is live at segment i+1's start.
+    F_i(p)  forward excess: peak during segment i's forward (up to segment i+1's start) above its start.
+    X_i(p)  backward level: peak during segment i's backward above L0 + K_1(p) + ... + K_i(p).
+    T(p)    tail level: peak between the last segment's forward and its backward (the loss, the head)
+            above L0 + sum of all K (attributed to the last segment's policy).
+    t_i(p)  seconds in segment i's forward and backward (its recomputation included): the fastest of its
+            timed runs, then the median over segments that are the same block (see segment_seconds).
+
+L0 (live at the first segment's start), the peak before it and the peak after the first segment's backward
+do not depend on the policies; the planner takes the largest value any candidate showed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from fastckpt.memory import MemoryTrace
+from fastckpt.planner.candidates import BATCH_PREFIX, NONE, REFERENCE, Candidate, parse_candidate
+from fastckpt.planner.checks import NonFinite, finite, max_relative_error
+from fastckpt.planner.model import CandidateMeasurement, SegmentCost
+from fastckpt.planner.segments import Segment, signature
+from fastckpt.storage.accounting import track
+
+
+class _Recorder:
+    """Marks of one run: their times, and their memory when a MemoryTrace is attached."""
+
+    def __init__(self, device: torch.device, trace: MemoryTrace | None) -> None:
+        self.device = device
+        self.trace = trace
+        self.keys: list[str] = []
+        self.times: list[Any] = []
+
+    def mark(self, key: str) -> None:
+        self.keys.append(key)
+        if self.trace is not None:
+            self.trace.mark(key)
+        elif self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)  # no synchronization inside the step
+            event.record()
+            self.times.append(event)
+        else:
+            self.times.append(time.perf_counter())
+
+    def elapsed(self) -> list[float]:
+        """Seconds from the first mark to each mark."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return [self.times[0].elapsed_time(e) / 1e3 for e in self.times]
+        return [t - self.times[0] for t in self.times]
+
+
+class _Instrumented:
+    """The segments under one candidate, with hooks that mark their forward and backward boundaries."""
+
+    def __init__(self, segments: list[Segment], candidate: Candidate, recorder: _Recorder) -> None:
+        self.segments = segments
+        self.recorder = recorder
+        self.handles: list[Any] = []
+        self.calls = [0] * len(segments)
+        self.installed = []
+        for index, segment in enumerate(segments):
+            runner = candidate.wrap(segment.module)
+            if runner is not segment.module:
+                setattr(segment.parent, segment.attribute, runner)
+            self.installed.append(runner)
+            self.handles.append(runner.register_forward_pre_hook(self._pre(index), with_kwargs=True))
+            self.handles.append(runner.register_forward_hook(self._post(index)))
+
+    def _pre(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self.calls[index] += 1
+            self.recorder.mark(f"f{index}")
+            for t in tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    self.handles.append(t.register_hook(self._grad_mark(f"B{index}")))
+
+        return hook
+
+    def _post(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            self.recorder.mark(f"F{index}")
+            for t in tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    self.handles.append(t.register_hook(self._grad_mark(f"b{index}")))
+
+        return hook
+
+    def _grad_mark(self, key: str) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            self.recorder.mark(key)
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for segment in self.segments:
+            setattr(segment.parent, segment.attribute, segment.module)
+
+
+def _run(segments: list[Segment], step: Callable[[], Any], candidate: Candidate, recorder: _Recorder) -> None:
+    """One step() with every segment run as `candidate`, its boundaries marked on `recorder`; the model is
+    left as it was."""
+    instrumented = _Instrumented(segments, candidate, recorder)
+    try:
+        recorder.mark("start")
+        step()
+        recorder.mark("end")
+    finally:
+        instrumented.remove()
+    wrong = [(s.name, c) for s, c in zip(segments, instrumented.calls, strict=True) if c != 1]
+    if wrong:
+        raise ValueError(
+            f"plan: each segment must run exactly once per step(); (segment, runs): {wrong}. The planner measures "
+            "one forward and backward per segment"
+        )
+    missing = [s.name for i, s in enumerate(segments) if f"b{i}" not in recorder.keys]
+    if missing:
+        raise ValueError(
+            f"plan: no gradient reached the outputs of segments {missing} in step(); step() must run the forward "
+            "and the backward of the training step"
+        )
+
+
+def _boundaries(keys: list[str], n: int) -> list[str]:
+    """The marks that delimit the intervals of the model, in the order the run must have made them."""
+    order = ["start"] + [f"f{i}" for i in range(n)] + [f"F{n - 1}"] + [f"b{i}" for i in reversed(range(n))]
+    position = {}
+    for index, key in enumerate(keys):
+        position.setdefault(key, index)
+    positions = [position[k] for k in order]
+    if positions != sorted(positions):
+        raise ValueError(
+            "plan: the segments must run forward in model order and backward in reverse order (a stack of blocks); "
+            f"marks seen: {[k for k in keys if k[0] in 'fFb']}"
+        )
+    return order
+
+
+def _intervals(keys: list[str], n: int) -> dict[str, tuple[int, int]]:
+    """Mark index ranges [from, to] of every interval of the model (indices into the run's marks)."""
+    _boundaries(keys, n)
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for index, key in enumerate(keys):
+        first.setdefault(key, index)
+        last[key] = index
+    end = first["end"]
+    b1_end = last["B0"] if "B0" in last else end
+    spans = {"pre": (first["start"], first["f0"]), "tail": (first[f"F{n - 1}"], first[f"b{n - 1}"])}
+    for i in range(n):
+        spans[f"fwd{i}"] = (first[f"f{i}"], first[f"f{i + 1}"] if i + 1 < n else first[f"F{n - 1}"])
+        spans[f"bwd{i}"] = (first[f"b{i}"], first[f"b{i - 1}"] if i > 0 else b1_end)
+    spans["post"] = (b1_end, end)
+    return spans
+
+
+def _memory_run(
+    segments: list[Segment], step: Callable[[], Any], candidate: Candidate, device: torch.device
+) -> tuple[list[int], list[int], list[int], int, int, int, int, int, float]:
+    """K, F, X per segment and L0, pre, post, T, the peak and the kept bits/element, from one traced run."""
+    n = len(segments)
+    with track() as report, MemoryTrace(device) as trace:
+        recorder = _Recorder(device, trace)
+        _run(segments, step, candidate, recorder)
+    points = trace.points[: len(recorder.keys)]  # the trace's own final point is its exit
+    spans = _intervals(recorder.keys, n)
+
+    def live(index: int) -> int:
+        return points[index].live
+
+    def peak(span: tuple[int, int]) -> int:
+        start, stop = span
+        return max([live(start), *(points[k].peak_before for k in range(start + 1, stop + 1))])
+
+    starts = [spans[f"fwd{i}"][0] for i in range(n)]
+    l0 = live(starts[0])
+    kept = [live(spans[f"fwd{i}"][1]) - live(starts[i]) for i in range(n)]
+    forward = [peak(spans[f"fwd{i}"]) - live(starts[i]) for i in range(n)]
+    prefix = 0
+    backward = []
+    for i in range(n):
+        prefix += kept[i]
+        backward.append(peak(spans[f"bwd{i}"]) - l0 - prefix)
+    tail = peak(spans["tail"]) - l0 - prefix
+    stored = [s for s in report.segments if not s.policy.endswith("(recomputed)")]
+    elements = sum(s.raw_elements for s in stored)
+    bits = 8 * sum(s.stored_bytes for s in stored) / elements if elements else float("nan")
+    return kept, forward, backward, l0, peak(spans["pre"]), peak(spans["post"]), tail, trace.peak, bits
+
+
+def _timed_run(
+    segments: list[Segment], step: Callable[[], Any], candidate: Candidate, device: torch.device
+) -> list[float]:
+    """Seconds per segment (its forward and backward intervals), then the whole step, from one untraced run."""
+    n = len(segments)
+    recorder = _Recorder(device, None)
+    _run(segments, step, candidate, recorder)
+    at = recorder.elapsed()
+    spans = _intervals(recorder.keys, n)
+
+    def duration(name: str) -> float:
+        start, stop = spans[name]
+        return at[stop] - at[start]
+
+    per_segment = [duration(f"fwd{i}") + duration(f"bwd{i}") for i in range(n)]
+    return [*per_segment, at[recorder.keys.index("end")] - at[recorder.keys.index("start")]]
+
+
+def measure_candidates(
+    model: nn.Module,
+    segments: list[Segment],
+    step: Callable[[], Any],
+    candidates: list[Candidate],
+    device: torch.device,
+    repeats: int,
+) -> tuple[dict[str, CandidateMeasurement], dict[str, str]]:
+    """Every candidate that runs on this model measured, and the error of each that raised or gave NaN/inf
+    gradients where the plain step did not (left out with a warning; the reference, measured first, must run:
+    its errors are the model's or the step's)."""
+    with NonFinite(model, segments) as plain:
+        step()  # warm-up (the plain step): one-time allocations (gradients, optimizer state), lazy initialisation
+    memory, failed = {}, {}
+    for candidate in sorted(candidates, key=lambda c: c.name != REFERENCE):
+        name = candidate.name
+        grads = [(p, p.grad) for p in model.parameters()]
+        try:
+            with NonFinite(model, segments) as check:
+                measured = _memory_run(segments, step, candidate, device)
+            if check.found and not plain.found:  # a storage that breaks the gradients, not the model's own
+                raise RuntimeError(f"plan: candidate {name!r} {check.found}, where the plain step's are finite")
+            memory[name] = measured
+        except Exception as error:
+            if name == REFERENCE:
+                raise
+            for p, grad in grads:  # what the broken step accumulated must not skew the next runs
+                p.grad = grad
+            failed[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+            warnings.warn(f"plan: candidate {name!r} failed on this model, left out ({failed[name]})", stacklevel=4)
+    ran = [candidate for candidate in candidates if candidate.name in memory]
+    samples: dict[str, list[list[float]]] = {candidate.name: [] for candidate in ran}
+    for _ in range(repeats):  # interleaved, so drift of the machine's speed hits every candidate alike
+        for candidate in ran:
+            samples[candidate.name].append(_timed_run(segments, step, candidate, device))
+    pre = max(m[4] for m in memory.values())
+    post = max(m[5] for m in memory.values())
+    l0 = max(m[3] for m in memory.values())
+    result = {}
+    for name in samples:
+        kept, forward, backward, _, _, _, tail, peak, bits = memory[name]
+        per_segment = segment_seconds(segments, samples[name])
+        total = min(run[-1] for run in samples[name])
+        outside = min(run[-1] - sum(run[:-1]) for run in samples[name])
+        result[name] = CandidateMeasurement(
+            policy=name,
+            segments=[SegmentCost(kept[i], forward[i], backward[i], per_segment[i]) for i in range(len(segments))],
+            start_live=l0,
+            pre_peak=pre,
+            post_peak=post,
+            tail_level=tail,
+            peak=peak,
+            step_seconds=total,
+            outside_seconds=outside,
+            bits_per_element=bits,
+        )
+    return result, failed
+
+
+def segment_seconds(segments: list[Segment], runs: list[list[float]]) -> list[float]:
+    """Each segment's time under one candidate, robust to a busy machine.
+
+    Another process only ever adds time, so a segment's time is its fastest run. Segments that are the same
+    block (same module type and parameter shapes) cost the same, so each gets the median over its kind: one
+    slow interval then moves no segment's estimate, and the solver does not pick between identical blocks
+    by noise.
+    """
+    fastest = [min(run[i] for run in runs) for i in range(len(segments))]
+    kinds: dict[tuple, list[int]] = {}
+    for i, segment in enumerate(segments):
+        kinds.setdefault(signature(segment.module), []).append(i)
+    pooled = list(fastest)
+    for members in kinds.values():
+        typical = statistics.median(fastest[i] for i in members)
+        for i in members:
+            pooled[i] = typical
+    return pooled
+
+
+def gradient_errors(
+    model: nn.Module,
+    segments: list[Segment],
+    step: Callable[[], Any],
+    candidates: list[Candidate],
+    device: torch.device,
+) -> dict[str, float]:
+    """Per candidate, the largest relative L2 error of a parameter's gradient against 'none' (the project's
+    gradient-error measure), each run from the same RNG seed (dropout draws the same masks); the caller's
+    RNG state is restored after."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    devices = [device] if device.type == "cuda" else []
+
+    def gradients(candidate: Candidate) -> list[torch.Tensor | None]:
+        captured: dict[int, torch.Tensor] = {}
+        handles = [
+            p.register_hook(lambda g, i=i: captured.__setitem__(i, captured.get(i, 0) + g.detach().float()))
+            for i, p in enumerate(parameters)
+        ]
+        try:
+            with torch.random.fork_rng(devices=devices):
+                torch.manual_seed(0x5EED)
+                _run(segments, step, candidate, _Recorder(device, None))
+        finally:
+            for handle in handles:
+                handle.remove()
+        return [captured.get(i) for i in range(len(parameters))]
+
+    # A batch slice is compared with the same slices kept exactly ('batch<N>:save'): those draw random ops in
+    # the slices' order, so the error is the policy's alone (checks.samples_mixed checked the slicing itself).
+    references: dict[str, list[torch.Tensor | None]] = {}
+
+    def reference(candidate: Candidate) -> list[torch.Tensor | None]:
+        key = NONE if candidate.batch_slices == 1 else f"{BATCH_PREFIX}{candidate.batch_slices}:save"
+        if key not in references:
+            references[key] = gradients(parse_candidate(key))
+            if not all(g is None or finite(g) for g in references[key]):
+                raise ValueError(
+                    f"plan: max_error: the gradients under {key!r} (the reference) hold NaN/inf, so no gradient "
+                    "error can be measured against them; fix the step's gradients or pass max_error=None"
+                )
+        return references[key]
+
+    return {c.name: 0.0 if c.name == NONE else max_relative_error(gradients(c), reference(c)) for c in candidates}

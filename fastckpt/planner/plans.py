@@ -1,0 +1,283 @@
+"""Measurements of a model's candidates, the plans solved from them, and the entry points measure() and plan()."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from fastckpt.planner import model as peak_model
+from fastckpt.planner.candidates import REFERENCE, Candidate, parse_candidate, parse_candidates
+from fastckpt.planner.checks import samples_mixed
+from fastckpt.planner.measurement import gradient_errors, measure_candidates
+from fastckpt.planner.model import CandidateMeasurement
+from fastckpt.planner.segments import Segment, budget_bytes, check_arguments, check_budget, device_of, find_segments
+from fastckpt.policies import Policy
+
+
+class Measurements:
+    """Every candidate measured on the segments of one model and step; plans for any budget come from it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        segments: list[Segment],
+        candidates: list[str],
+        by_policy: dict[str, CandidateMeasurement],
+        max_error: float | None = None,
+        failed: dict[str, str] | None = None,
+        parsed: Iterable[Candidate] = (),
+    ) -> None:
+        self.model = model
+        self.segments = segments
+        self.by_policy = by_policy
+        self.max_error = max_error
+        self.failed = failed or {}  # candidates whose step raised on this model, with the error
+        # What plans may choose (by_policy also holds the 'recompute' reference): the candidates that ran and,
+        # with max_error, whose measured gradient error is within it.
+        ran = [c for c in candidates if c in by_policy]
+        self.candidates = [c for c in ran if max_error is None or _within(by_policy[c].grad_error, max_error)]
+        self.excluded = [c for c in ran if c not in self.candidates]
+        self._parsed = {candidate.name: candidate for candidate in parsed}  # what measure() parsed, by name
+
+    @property
+    def reference_peak(self) -> int:
+        """The measured peak with every segment under 'recompute' (stock checkpointing)."""
+        return self.by_policy[REFERENCE].peak
+
+    @property
+    def reference_seconds(self) -> float:
+        """The fastest timed step with every segment under 'recompute'."""
+        return self.by_policy[REFERENCE].step_seconds
+
+    def budget_bytes(self, budget: int | str) -> int:
+        """`budget` in bytes ("N%" of the reference peak)."""
+        check_budget(budget)
+        return budget_bytes(budget, self.reference_peak)
+
+    def plan(self, budget: int | str) -> Plan:
+        """The fastest assignment predicted to fit `budget`; ValueError naming the smallest feasible budget if none."""
+        limit = self.budget_bytes(budget)
+        excluded = (
+            f" ({self.excluded} left out: their gradient error exceeds max_error={self.max_error:g})"
+            if self.excluded
+            else ""
+        ) + (
+            f" ({list(self.failed)} left out: they failed on this model: "
+            + "; ".join(f"{name!r}: {why}" for name, why in self.failed.items())
+            + ")"
+            if self.failed
+            else ""
+        )
+        if not self.candidates:
+            raise ValueError(f"plan: no candidate is left to assign to the segments{excluded}")
+        policies = peak_model.fastest_within(self.by_policy, self.candidates, len(self.segments), limit)
+        if policies is None:
+            smallest = self.smallest_feasible_budget()
+            raise ValueError(
+                f"plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments fits a "
+                f"budget of {limit} bytes ({limit / 2**20:.2f} MiB); the smallest feasible budget is "
+                f"{smallest} bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock "
+                "checkpointing's peak)"
+            )
+        return Plan(
+            measurements=self,
+            policies=policies,
+            budget=limit,
+            predicted_peak=peak_model.predicted_peak(self.by_policy, policies),
+            predicted_seconds=peak_model.predicted_seconds(self.by_policy, policies),
+        )
+
+    def smallest_feasible_budget(self) -> int:
+        """The smallest budget (bytes) some assignment of the candidates is predicted to fit."""
+        smallest = peak_model.smallest_peak(self.by_policy, self.candidates, len(self.segments))
+        return peak_model.predicted_peak(self.by_policy, smallest)
+
+    def predict_peak(self, policies: Sequence[str]) -> int:
+        """The peak model's prediction (bytes above what is live before step()) for an assignment."""
+        return peak_model.predicted_peak(self.by_policy, self._check(policies))
+
+    def predict_seconds(self, policies: Sequence[str]) -> float:
+        """The time model's prediction for an assignment."""
+        return peak_model.predicted_seconds(self.by_policy, self._check(policies))
+
+    def _check(self, policies: Sequence[str]) -> list[str]:
+        policies = [parse_candidate(p).name for p in policies]
+        if len(policies) != len(self.segments):
+            raise ValueError(f"{len(self.segments)} policies needed (one per segment), got {len(policies)}")
+        unknown = sorted({p for p in policies if p not in self.by_policy})
+        if unknown:
+            raise ValueError(f"{unknown} not measured; measured: {list(self.by_policy)}")
+        return policies
+
+    def _candidate(self, name: str) -> Candidate:
+        """Candidate `name` as measure() parsed it (parsed here for Measurements built otherwise)."""
+        if name not in self._parsed:
+            self._parsed[name] = parse_candidate(name)
+        return self._parsed[name]
+
+    def table(self) -> str:
+        """Per candidate: measured peak and step time, and its per-segment kept bytes and time (mean)."""
+        lines = [
+            f"{'candidate':<24}{'peak MiB':>10}{'step ms':>10}{'kept MiB/seg':>14}{'bwd MiB/seg':>13}"
+            f"{'ms/seg':>9}{'bits/elem':>11}{'grad err':>10}"
+        ]
+        for name, m in self.by_policy.items():
+            n = len(m.segments)
+            error = "" if math.isnan(m.grad_error) else f"{m.grad_error:.1e}"
+            lines.append(
+                f"{name:<24}{m.peak / 2**20:>10.2f}{m.step_seconds * 1e3:>10.1f}"
+                f"{sum(c.kept_bytes for c in m.segments) / n / 2**20:>14.2f}"
+                f"{sum(c.backward_level for c in m.segments) / n / 2**20:>13.2f}"
+                f"{sum(c.seconds for c in m.segments) / n * 1e3:>9.1f}{_bits(m.bits_per_element):>11}{error:>10}"
+                + ("  (left out: > max_error)" if name in self.excluded else "")
+            )
+        lines += [f"{name:<24}failed on this model, left out: {error}" for name, error in self.failed.items()]
+        return "\n".join(lines)
+
+
+@dataclass
+class Plan:
+    """A policy per segment (NONE: left as it is), its predicted peak and step time, and how to apply it."""
+
+    measurements: Measurements
+    policies: list[str]
+    budget: int
+    predicted_peak: int
+    predicted_seconds: float
+    applied: bool = field(default=False)
+
+    @property
+    def model(self) -> nn.Module:
+        return self.measurements.model
+
+    @property
+    def segments(self) -> list[Segment]:
+        return self.measurements.segments
+
+    def apply(self) -> nn.Module:
+        """Wrap each segment in place with its policy (fastckpt.wrap; state dict unchanged); returns the model."""
+        if self.applied:
+            raise RuntimeError("Plan.apply: this plan is already applied to the model")
+        for segment in self.segments:
+            if getattr(segment.parent, segment.attribute) is not segment.module:
+                raise RuntimeError(
+                    f"Plan.apply: segment {segment.name!r} is no longer the module the plan measured (another plan "
+                    "applied, or the model changed); measure again"
+                )
+        for segment, policy in zip(self.segments, self.policies, strict=True):
+            runner = self.measurements._candidate(policy).wrap(segment.module)
+            if runner is not segment.module:
+                setattr(segment.parent, segment.attribute, runner)
+        self.applied = True
+        return self.model
+
+    def remove(self) -> nn.Module:
+        """Undo `apply`: put the original segment modules back; returns the model."""
+        if not self.applied:
+            raise RuntimeError("Plan.remove: this plan is not applied")
+        for segment in self.segments:
+            setattr(segment.parent, segment.attribute, segment.module)
+        self.applied = False
+        return self.model
+
+    def table(self) -> str:
+        """One line per segment (policy, kept bytes, backward level, time), then the predicted totals."""
+        lines = [f"{'segment':<24}{'policy':<22}{'kept MiB':>10}{'bwd MiB':>10}{'ms':>9}{'bits/elem':>11}"]
+        for index, (segment, policy) in enumerate(zip(self.segments, self.policies, strict=True)):
+            m = self.measurements.by_policy[policy]
+            cost = m.segments[index]
+            lines.append(
+                f"{segment.name:<24}{policy:<22}{cost.kept_bytes / 2**20:>10.2f}{cost.backward_level / 2**20:>10.2f}"
+                f"{cost.seconds * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
+            )
+        lines.append(
+            f"predicted peak {self.predicted_peak / 2**20:.2f} MiB (budget {self.budget / 2**20:.2f} MiB, stock "
+            f"checkpoint {self.measurements.reference_peak / 2**20:.2f} MiB); predicted step "
+            f"{self.predicted_seconds * 1e3:.1f} ms (stock {self.measurements.reference_seconds * 1e3:.1f} ms)"
+        )
+        return "\n".join(lines)
+
+
+def _within(error: float, max_error: float) -> bool:
+    """A NaN or inf error is never within max_error (a comparison with NaN is False either way round)."""
+    return math.isfinite(error) and error <= max_error
+
+
+def _bits(bits: float) -> str:
+    """Bits per element for a table: blank where nothing went through a codec."""
+    return "" if math.isnan(bits) else f"{bits:.2f}"
+
+
+def plan(
+    model: nn.Module,
+    step: Callable[[], Any],
+    budget: int | str,
+    check_fn: Callable[[nn.Module], bool] | None = None,
+    candidates: Iterable[str | Policy | None] | None = None,
+    *,
+    repeats: int = 2,
+    max_error: float | None = None,
+) -> Plan:
+    """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
+
+    `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate above
+    what is live before it, or "N%" of stock checkpointing's peak; the segments are the submodules `check_fn`
+    selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical blocks); `candidates`
+    are policy strings, 'none', 'selective:<spec>' (fastckpt.hybrid.selective: the outputs of matmuls and
+    attention kept through <spec>'s codec, the rest recomputed, the inputs stored as <spec> says:
+    'selective:int8', 'selective:recompute:int8+int8'), 'selective-attention:<spec>' (the same keeping only the
+    fused attention's outputs and dropout's masks, hybrid.keep_attention) or 'batch<N>:<policy or selective
+    candidate>' (fastckpt.tiled(segment, N, dim=0, ...): the segment's batch in N slices, each checkpointed, so
+    its backward holds one slice's activations; for segments that treat every sample alone, which the planner
+    checks: batch candidates are left out, with a warning, when changing the other samples moves a slice's
+    output) (default: DEFAULT_CANDIDATES, which leaves out the selective ones, on CPU 'selective:int8' measured
+    slower and larger than 'int8' and attention-only pays off where attention dominates, and batch slices;
+    `extended_candidates` adds both). A candidate whose step raises on the model, or gives NaN/inf parameter
+    gradients where the plain step's are finite, is left out with a warning (the reference 'recompute': the
+    error is raised). `max_error`, when given, leaves out the candidates whose gradient error exceeds it (a NaN
+    or inf error does) or ValueError if the reference's gradients are not finite: the largest relative L2
+    error of a parameter's gradient against no checkpointing (a batch slice: against the same slices kept
+    exactly, which draw random ops in the same order), measured with every segment under the candidate and the
+    same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs, but
+    that is not guaranteed). Runs step() 2 + len(candidates) * (1 + repeats) times, plus 1 + len(candidates)
+    with max_error; batch candidates add one step (the sample check) and, with max_error, one per slice count
+    (their reference). ValueError if no assignment fits, naming the smallest budget.
+    """
+    check_budget(budget)
+    return measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error).plan(budget)
+
+
+def measure(
+    model: nn.Module,
+    step: Callable[[], Any],
+    check_fn: Callable[[nn.Module], bool] | None = None,
+    candidates: Iterable[str | Policy | None] | None = None,
+    *,
+    repeats: int = 2,
+    max_error: float | None = None,
+) -> Measurements:
+    """Measure every candidate on the segments (what `plan` does before solving); plan any budget from it."""
+    check_arguments(model, step, check_fn, repeats, max_error)
+    parsed = parse_candidates(candidates)
+    segments = find_segments(model, check_fn)
+    device = device_of(model)
+    names = [candidate.name for candidate in parsed]
+    measured = parsed if REFERENCE in names else [*parsed, parse_candidate(REFERENCE)]
+    mixing = samples_mixed(segments, step, device, parsed)
+    if mixing:
+        measured = [c for c in measured if c.batch_slices == 1]
+    by_policy, failed = measure_candidates(model, segments, step, measured, device, repeats)
+    for candidate in parsed:
+        if candidate.batch_slices in mixing:
+            failed[candidate.name] = mixing[candidate.batch_slices]
+            warnings.warn(f"plan: candidate {candidate.name!r} left out: {failed[candidate.name]}", stacklevel=2)
+    if max_error is not None:
+        ran = [c for c in measured if c.name in by_policy]
+        for name, error in gradient_errors(model, segments, step, ran, device).items():
+            by_policy[name].grad_error = error
+    return Measurements(model, segments, names, by_policy, max_error, failed, parsed=measured)
