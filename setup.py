@@ -53,6 +53,18 @@ def cuda_wheel_includes() -> list[str]:
     return sorted(d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, "*", "include")))
 
 
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    def copy_extensions_to_source(self):
+        """In-place builds: drop copies of a module built under another suffix. A pre-split
+        fastckpt/_C.cpython-*.so would shadow the new _C.abi3.so (Python tries that suffix first)."""
+        for ext in self.extensions:
+            keep = self.get_ext_filename(ext.name)  # e.g. fastckpt/_C.abi3.so
+            for old in glob.glob(ext.name.replace(".", os.sep) + ".*"):
+                if old != keep and old.endswith((".so", ".pyd")):
+                    os.remove(old)
+        super().copy_extensions_to_source()
+
+
 with_cuda = use_cuda()
 torch_version = ("FASTCKPT_TORCH_VERSION", f'"{torch.__version__}"')
 ops_sources = sorted(set(glob.glob("csrc/**/*.cpp", recursive=True)) - set(glob.glob("csrc/autograd/*.cpp")))
@@ -83,5 +95,5 @@ setup(
     name="fastckpt",
     packages=find_packages(include=["fastckpt", "fastckpt.*"]),
     ext_modules=[ops, reentrant],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": BuildExt},
 )
