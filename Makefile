@@ -1,6 +1,6 @@
 # The README's two commands: `make test` and `make bench`. Each creates or reuses .venv,
-# installs the pinned dependencies, builds fastckpt._C in place (ninja: only changed files
-# recompile), then runs.
+# installs the pinned dependencies, builds the native modules fastckpt._C and fastckpt._reentrant
+# in place (ninja: only changed files recompile), then runs.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python

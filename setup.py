@@ -1,4 +1,8 @@
-"""Build fastckpt._C: C++ kernels always, CUDA kernels when torch is a CUDA build and nvcc exists.
+"""Build fastckpt's two native modules (csrc/README.md):
+  fastckpt._C          the operators (csrc/ but csrc/autograd/): C++ kernels always, CUDA kernels when torch is
+                       a CUDA build and nvcc exists; ATen-level headers, and Python's limited C API for the module
+  fastckpt._reentrant  the reentrant checkpoint's autograd Function (csrc/autograd/): pybind11, torch/extension.h
+                       and libtorch_python, so also tied to this CPython and torch's Python bindings
 
 Environment switches:
   FASTCKPT_CUDA=1   force CUDA kernels (fail loudly if they cannot be built)
@@ -49,39 +53,47 @@ def cuda_wheel_includes() -> list[str]:
     return sorted(d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, "*", "include")))
 
 
+class BuildExt(BuildExtension.with_options(use_ninja=True)):
+    def copy_extensions_to_source(self):
+        """In-place builds: drop copies of a module built under another suffix. A pre-split
+        fastckpt/_C.cpython-*.so would shadow the new _C.abi3.so (Python tries that suffix first)."""
+        for ext in self.extensions:
+            keep = self.get_ext_filename(ext.name)  # e.g. fastckpt/_C.abi3.so
+            for old in glob.glob(ext.name.replace(".", os.sep) + ".*"):
+                if old != keep and old.endswith((".so", ".pyd")):
+                    os.remove(old)
+        super().copy_extensions_to_source()
+
+
 with_cuda = use_cuda()
-sources = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
-macros = [
-    ("FASTCKPT_TORCH_VERSION", f'"{torch.__version__}"'),
-    ("FASTCKPT_CUDA_ARCHS", f'"{os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""}"'),
-]
-# at::parallel_for is OpenMP code inlined from torch's headers: without -fopenmp it runs on one thread.
-cxx_flags = ["-O3", "-fopenmp"]
-link_flags = ["-fopenmp"]
+torch_version = ("FASTCKPT_TORCH_VERSION", f'"{torch.__version__}"')
+ops_sources = sorted(set(glob.glob("csrc/**/*.cpp", recursive=True)) - set(glob.glob("csrc/autograd/*.cpp")))
+cuda_archs = os.environ["TORCH_CUDA_ARCH_LIST"] if with_cuda else ""
+ops_options = dict(
+    include_dirs=[os.path.abspath("csrc")],
+    define_macros=[torch_version, ("FASTCKPT_CUDA_ARCHS", f'"{cuda_archs}"')],
+    # at::parallel_for is OpenMP code inlined from torch's headers: without -fopenmp it runs on one thread.
+    extra_compile_args={"cxx": ["-O3", "-fopenmp"]},
+    extra_link_args=["-fopenmp"],
+    py_limited_api=True,  # Py_LIMITED_API, no libtorch_python: the module init is plain C API (python_module.cpp)
+)
 if with_cuda:
-    sources += sorted(glob.glob("csrc/**/*.cu", recursive=True))
-    macros.append(("FASTCKPT_WITH_CUDA", "1"))
-    extension = CUDAExtension(
-        "fastckpt._C",
-        sources,
-        include_dirs=[os.path.abspath("csrc"), *cuda_wheel_includes()],
-        define_macros=macros,
-        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
-        extra_link_args=link_flags,
-    )
+    ops_options["include_dirs"] += cuda_wheel_includes()
+    ops_options["define_macros"].append(("FASTCKPT_WITH_CUDA", "1"))
+    ops_options["extra_compile_args"]["nvcc"] = ["-O3", "-lineinfo"]
+    ops = CUDAExtension("fastckpt._C", ops_sources + sorted(glob.glob("csrc/**/*.cu", recursive=True)), **ops_options)
 else:
-    extension = CppExtension(
-        "fastckpt._C",
-        sources,
-        include_dirs=[os.path.abspath("csrc")],
-        define_macros=macros,
-        extra_compile_args={"cxx": cxx_flags},
-        extra_link_args=link_flags,
-    )
+    ops = CppExtension("fastckpt._C", ops_sources, **ops_options)
+reentrant = CppExtension(
+    "fastckpt._reentrant",
+    sorted(glob.glob("csrc/autograd/*.cpp")),
+    define_macros=[torch_version],
+    extra_compile_args={"cxx": ["-O3"]},
+)
 
 setup(
     name="fastckpt",
     packages=find_packages(include=["fastckpt", "fastckpt.*"]),
-    ext_modules=[extension],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    ext_modules=[ops, reentrant],
+    cmdclass={"build_ext": BuildExt},
 )

@@ -2,7 +2,7 @@
 
 from fastckpt import _extension
 
-if _extension.load_error() is None:
+if _extension.load_error(_extension.OPS) is None:
     # The ops' fake kernels register on import: torch.compile traces graphs that call torch.ops.fastckpt.*.
     from fastckpt import ops  # noqa: F401
 from fastckpt.api import CheckpointWrapper, apply, checkpoint, checkpoint_sequential, wrap

@@ -1,4 +1,4 @@
-"""`python -m fastckpt.info`: versions, build facts and which kernels exist per device."""
+"""`python -m fastckpt.info`: versions, the native modules' status, and which kernels exist per device."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def integration_versions() -> dict[str, str | None]:
 
 
 def registered_ops() -> list[str]:
-    """Names of all operators in the fastckpt namespace (empty when _C did not load)."""
+    """Names of all operators in the fastckpt namespace (empty when fastckpt._C was not imported)."""
     return sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fastckpt::"))
 
 
@@ -37,29 +37,38 @@ def kernels_by_op() -> dict[str, dict[str, bool]]:
     }
 
 
+def module_status() -> dict[str, str]:
+    """Each native module (fastckpt._extension.NEEDED_FOR) and whether it loaded, for which torch, and what it runs."""
+    status = {}
+    for name, needed_for in _extension.NEEDED_FOR.items():
+        error = _extension.load_error(name)
+        built = None if error else _extension.extension(name).built_with_torch
+        status[name] = f"NOT LOADED: {error}" if error else f"loaded, built for torch {built}: {needed_for}"
+    return status
+
+
 def report() -> str:
     """The text that `python -m fastckpt.info` prints."""
     lines = [
-        f"fastckpt        {fastckpt.__version__}",
-        f"torch           {torch.__version__} (CUDA {torch.version.cuda or 'none'})",
-        "integrations    "
+        f"{'fastckpt':<22}{fastckpt.__version__}",
+        f"{'torch':<22}{torch.__version__} (CUDA {torch.version.cuda or 'none'})",
+        f"{'integrations':<22}"
         + ", ".join(f"{name} {version or 'not installed'}" for name, version in integration_versions().items()),
     ]
-    error = _extension.load_error()
-    if error:
-        lines.append(f"fastckpt._C     NOT LOADED: {error}")
+    lines += [f"{name:<22}{status}" for name, status in module_status().items()]
+    if _extension.load_error(_extension.OPS):
         return "\n".join(lines)
-    ext = _extension.extension()
+    ext = _extension.extension(_extension.OPS)
     lines += [
-        f"fastckpt._C     loaded, built for torch {ext.built_with_torch}",
-        f"CUDA kernels    {'compiled for sm ' + ext.cuda_archs if ext.with_cuda else 'not compiled'}",
+        f"{'CUDA kernels':<22}{'compiled for sm ' + ext.cuda_archs if ext.with_cuda else 'not compiled'}",
         # Asking for the GPU count initialises CUDA only here, never at `import fastckpt`.
-        f"GPUs visible    {torch.cuda.device_count() if torch.cuda.is_available() else 0}",
-        "",
-        f"{'op':<32}" + "".join(f"{key:>6}" for key in DISPATCH_KEYS),
+        f"{'GPUs visible':<22}{torch.cuda.device_count() if torch.cuda.is_available() else 0}",
     ]
-    for op, keys in kernels_by_op().items():
-        lines.append(f"{op:<32}" + "".join(f"{'yes' if has else '-':>6}" for has in keys.values()))
+    kernels = kernels_by_op()
+    width = max([32, *(len(op) + 2 for op in kernels)])
+    lines += ["", f"{'op':<{width}}" + "".join(f"{key:>6}" for key in DISPATCH_KEYS)]
+    for op, keys in kernels.items():
+        lines.append(f"{op:<{width}}" + "".join(f"{'yes' if has else '-':>6}" for has in keys.values()))
     return "\n".join(lines)
 
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One prepared check for a machine with an NVIDIA GPU and the CUDA toolkit (the device tool's
-# H200 image: torch preinstalled, nothing downloadable). Builds fastckpt._C against that
-# machine's torch for arch 9.0, runs the whole test suite (the cuda-marked tests, and the rest under
-# that image's torch, older than CI's pin), then the GPU benchmarks, and writes into the folder given
+# H200 image: torch preinstalled, nothing downloadable). Builds fastckpt._C and fastckpt._reentrant
+# against that machine's torch for arch 9.0, runs the whole test suite (the cuda-marked tests, and the
+# rest under that image's torch, older than CI's pin), then the GPU benchmarks, and writes into the folder given
 # as $1 at most six files (the device tool returns at most 8): summary.txt, the benchmarks' results.md
 # and ops/train/offload CSVs, and logs.tar.gz (every step's log, the tests' JUnit XML, every benchmark
 # output: per-workload CSVs and plots). The step deadlines add up to under 9 minutes. Usage: scripts/gpu_check.sh "$OUT"

@@ -1,6 +1,7 @@
-// The reentrant checkpoint: a C++ autograd Function whose node stores the segment's tensor inputs
-// (as SavedVariables, so version counters and any active saved-tensor hooks apply) and, in
-// backward, re-runs the Python segment with grad enabled and runs a nested backward through it.
+// The Python module fastckpt._reentrant (this file is all of it): the reentrant checkpoint, a C++
+// autograd Function whose node stores the segment's tensor inputs (as SavedVariables, so version
+// counters and any active saved-tensor hooks apply) and, in backward, re-runs the Python segment
+// with grad enabled and runs a nested backward through it.
 //
 // The Python side (fastckpt/engine/reentrant.py) passes a `segment` object with two methods,
 // each taking and returning a flat list of tensors:
@@ -11,8 +12,6 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/extension.h>
-
-#include "autograd/reentrant_checkpoint.h"
 
 namespace py = pybind11;
 
@@ -104,16 +103,19 @@ struct ReentrantCheckpoint : public torch::autograd::Function<ReentrantCheckpoin
 };
 
 }  // namespace
+}  // namespace fastckpt
 
-void bind_reentrant_checkpoint(py::module_& m) {
+// pybind11 and torch's autograd headers tie this module to the exact torch build (and CPython) it was
+// compiled for; the loader (fastckpt/_extension.py) checks built_with_torch before using it.
+PYBIND11_MODULE(_reentrant, m) {
+  m.doc() = "fastckpt's reentrant checkpoint (the autograd Function behind use_reentrant=True)";
+  m.attr("built_with_torch") = FASTCKPT_TORCH_VERSION;
   m.def(
       "reentrant_checkpoint",
-      [](py::object segment, const variable_list& inputs) {
-        auto holder = c10::make_intrusive<PythonSegment>(std::move(segment));
-        return ReentrantCheckpoint::apply(holder, at::TensorList(inputs));
+      [](py::object segment, const torch::autograd::variable_list& inputs) {
+        auto holder = c10::make_intrusive<fastckpt::PythonSegment>(std::move(segment));
+        return fastckpt::ReentrantCheckpoint::apply(holder, at::TensorList(inputs));
       },
       py::arg("segment"), py::arg("inputs"),
       "Run segment.forward(inputs) as one autograd node that re-runs segment.recompute in backward.");
 }
-
-}  // namespace fastckpt

@@ -1,4 +1,4 @@
-"""Python side of the reentrant checkpoint; the autograd node itself is C++ (csrc/autograd/)."""
+"""Python side of the reentrant checkpoint; the autograd node itself is C++ (fastckpt._reentrant, csrc/autograd/)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from fastckpt._extension import extension
+from fastckpt._extension import REENTRANT, extension
 from fastckpt.engine.flat_tree import FlatTree
 from fastckpt.engine.replay import ForwardState
 
@@ -98,10 +98,11 @@ def checkpoint_reentrant(
     input_hooks: Callable[[], Any] | None = None,
 ) -> Any:
     """Run `function(*args)` without grad as one C++ autograd node that recomputes it in backward."""
+    native = extension(REENTRANT)  # before running anything: ImportError with the rebuild command
     inputs = FlatTree(args)
     if not any(t.requires_grad for t in inputs.tensors):
         warnings.warn("None of the inputs have requires_grad=True. Gradients will be None", stacklevel=4)
     segment = _Segment(function, inputs, preserve_rng_state)
     with input_hooks() if input_hooks is not None else contextlib.nullcontext():
-        outputs = extension().reentrant_checkpoint(segment, inputs.tensors)
+        outputs = native.reentrant_checkpoint(segment, inputs.tensors)
     return segment.rebuild(outputs)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fastckpt._extension import extension
+from fastckpt._extension import OPS, extension
 
-extension()  # the schemas below must be registered before their fake kernels
+extension(OPS)  # the schemas below must be registered before their fake kernels
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import torch
 
-from fastckpt._extension import extension
+from fastckpt._extension import OPS, extension
 
-extension()  # the schemas below must be registered before their fake kernels
+extension(OPS)  # the schemas below must be registered before their fake kernels
 
 # With 16-bit scale and offset per group these store 8.25, 4.5 and 2.5 bits per element
 # (targets: 8.5, 4.5, 2.5); int8 affords the larger group, int4/int2 need 64 for accuracy.
