@@ -389,8 +389,7 @@ struct AffineCodec {
   // neighbours, where the zero code's value (0) sits at t0 = -offset / scale instead of at its index:
   // there x rounds to one of the two values around it with the probabilities that keep it unbiased.
   FASTCKPT_HD static uint32_t encode_stochastic(const Params& p, float x, float u) {
-    const float t = p.wide ? mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(p.offset, 0.5f)), mul_rn(p.inv_scale, 2.0f))
-                           : mul_rn(sub_rn(x, p.offset), p.inv_scale);
+    const float t = p.wide ? position_wide(p, x) : position_narrow(p, x);
     const uint32_t uniform = code_of(t, u);
     if (p.zero_code == kNoZeroCode) return uniform;
     const uint32_t k0 = p.zero_code, top = p.special ? kFiniteMaxCode : kMaxCode;
@@ -407,13 +406,20 @@ struct AffineCodec {
 
   // Wide groups: (x/2 - offset/2) * (2/scale), where x - offset could overflow.
   FASTCKPT_HD static uint32_t encode_wide(const Params& p, float x, float u) {
-    const float t = mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(p.offset, 0.5f)), mul_rn(p.inv_scale, 2.0f));
-    return keep_sign(p, x, code_of(t, u));
+    return keep_sign(p, x, code_of(position_wide(p, x), u));
   }
 
   // All other groups: (x - offset) * (1/scale).
   FASTCKPT_HD static uint32_t encode_narrow(const Params& p, float x, float u) {
-    return keep_sign(p, x, code_of(mul_rn(sub_rn(x, p.offset), p.inv_scale), u));
+    return keep_sign(p, x, code_of(position_narrow(p, x), u));
+  }
+
+  // Where x falls on the grid, in steps from the offset (both encoders and stochastic rounding read it).
+  FASTCKPT_HD static float position_wide(const Params& p, float x) {
+    return mul_rn(sub_rn(mul_rn(x, 0.5f), mul_rn(p.offset, 0.5f)), mul_rn(p.inv_scale, 2.0f));
+  }
+  FASTCKPT_HD static float position_narrow(const Params& p, float x) {
+    return mul_rn(sub_rn(x, p.offset), p.inv_scale);
   }
 
   // Rounding to nearest keeps the signs of a group whose zero code is an end of its grid (ReLU outputs:
