@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import math
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -64,9 +65,10 @@ class Net(nn.Module):
         return self.head(x)
 
 
-def make(layers: int = 5):
+def make(layers: int = 5, net: Callable[[], nn.Module] | None = None):
+    """A model (Net, or what `net` builds) seeded the same way, and a step on one fixed input."""
     torch.manual_seed(0)
-    model = Net(layers)
+    model = net() if net is not None else Net(layers)
     x = torch.randn(4, 256, 64)
 
     def step() -> None:
@@ -609,15 +611,7 @@ class HeadFirstNet(nn.Module):
 
 
 def make_head_first(block: type[nn.Module]):
-    torch.manual_seed(0)
-    model = HeadFirstNet(block)
-    x = torch.randn(4, 256, 64)
-
-    def step() -> None:
-        model(x).pow(2).mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    return model, step
+    return make(net=lambda: HeadFirstNet(block))
 
 
 NAN_FROM_INT8 = (
