@@ -10,11 +10,9 @@ import torch
 from torch.utils.checkpoint import noop_context_fn
 
 from fastckpt.compiled import checkpoint_in_graph
-from fastckpt.engine.non_reentrant import DETERMINISM_CHECKS, checkpoint_non_reentrant
 from fastckpt.engine.options import CheckpointOptions
-from fastckpt.engine.reentrant import checkpoint_reentrant
-from fastckpt.policies import Policy, resolve
-from fastckpt.storage.packer import SegmentStorage
+from fastckpt.engine.strategy import Strategy, run_segment
+from fastckpt.policies import Policy
 
 
 def checkpoint(
@@ -74,85 +72,8 @@ def _dispatch(
     function: Callable[..., Any], args: tuple, kwargs: dict, options: CheckpointOptions, policy: str | Policy | None
 ) -> Any:
     if torch.compiler.is_compiling():  # dynamo is tracing: into the graph where fastckpt.compiled can
-        return checkpoint_in_graph(function, args, kwargs, options, policy, run_eagerly=_run)
-    return _run(function, args, kwargs, options, policy)
-
-
-# Eager: dynamo never traces the engine (it would trace the forward but not the recompute, and the two would
-# save different tensors); under torch.compile a segment gets here only through a graph break.
-@torch.compiler.disable
-def _run(
-    function: Callable[..., Any], args: tuple, kwargs: dict, options: CheckpointOptions, policy: str | Policy | None
-) -> Any:
-    if not callable(function):
-        raise TypeError(f"checkpoint: `function` must be callable (a module or function), got {type(function)}")
-    if options.determinism_check not in DETERMINISM_CHECKS:
-        raise ValueError(
-            f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, but got {options.determinism_check}"
-        )
-    resolved = resolve(policy)
-    if not resolved.recompute:
-        if options.has_recompute_only_options:
-            raise ValueError(
-                f"policy={str(resolved)!r} stores tensors instead of recomputing, so `context_fn`, `debug` and "
-                "`respect_saved_tensors_hooks` (which act on the recomputation) do not apply; drop them or use a "
-                "policy with 'recompute'"
-            )
-        return _run_stored(function, args, kwargs, resolved)
-    input_hooks = _input_hooks(resolved)
-    recompute_storage = _recompute_storage(resolved)
-    if options.use_reentrant:
-        if kwargs:
-            raise ValueError("Unexpected keyword arguments: " + ",".join(kwargs))
-        if options.has_recompute_only_options:
-            raise ValueError(
-                "Passing `context_fn`, `debug`, or `respect_saved_tensors_hooks` is only supported when "
-                "use_reentrant=False."
-            )
-        if recompute_storage is not None:
-            function = _recompute_through(function, recompute_storage)
-        return checkpoint_reentrant(
-            function, args, preserve_rng_state=options.preserve_rng_state, input_hooks=input_hooks
-        )
-    return checkpoint_non_reentrant(
-        function, args, kwargs, options, input_hooks=input_hooks, recompute_storage=recompute_storage
-    )
-
-
-def _input_hooks(policy: Policy) -> Callable[[], Any] | None:
-    """Saved-tensor hooks through which a recompute policy stores the segment's inputs (None: plainly)."""
-    if not policy.stores_inputs:
-        return None
-    return SegmentStorage(policy).hooks
-
-
-def _recompute_storage(policy: Policy) -> Callable[[], SegmentStorage] | None:
-    """A factory of the storage that keeps one recomputation's saved tensors (None: plain, as stock)."""
-    storage_policy = policy.recomputed_storage()
-    if storage_policy is None:
-        return None
-    label = f"{policy} (recomputed)"
-    return lambda: SegmentStorage(storage_policy, label=label)
-
-
-def _recompute_through(function: Callable[..., Any], storage: Callable[[], SegmentStorage]) -> Callable[..., Any]:
-    """`function`, saving through a fresh `storage()` when it runs with grad: the reentrant engine runs the
-    forward without grad (nothing saved) and the recomputation with it, whose saved tensors then go through
-    the storage until the engine's inner backward uses them."""
-
-    def run(*args: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return function(*args)
-        with storage().hooks():
-            return function(*args)
-
-    return run
-
-
-def _run_stored(function: Callable[..., Any], args: tuple, kwargs: dict, policy: Policy) -> Any:
-    """A storage policy: no recompute; every tensor saved for backward goes through the policy's storage."""
-    with SegmentStorage(policy).hooks():
-        return function(*args, **kwargs)
+        return checkpoint_in_graph(function, args, kwargs, options, policy)
+    return run_segment(function, args, kwargs, options, policy)
 
 
 def checkpoint_sequential(
@@ -198,7 +119,7 @@ def checkpoint_sequential(
             policy=policy,
         )
     last = run(size * (segments - 1), len(functions))
-    if resolve(policy).recompute:
+    if Strategy.of(policy).recompute:
         return last(input)  # as torch: recomputing the last segment right after its forward gains nothing
     return checkpoint(last, input, use_reentrant=use_reentrant, policy=policy)  # stored policies save here too
 

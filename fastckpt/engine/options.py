@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from torch.utils.checkpoint import noop_context_fn
@@ -29,3 +29,11 @@ class CheckpointOptions:
             or self.debug is not False
             or self.respect_saved_tensors_hooks is not None
         )
+
+    def given_torch_keywords(self) -> dict[str, Any]:
+        """The options other than use_reentrant that differ from torch's defaults, as keywords."""
+        return {name: getattr(self, name) for name in _KEYWORDS if getattr(self, name) is not getattr(_DEFAULT, name)}
+
+
+_DEFAULT = CheckpointOptions()
+_KEYWORDS = tuple(f.name for f in fields(CheckpointOptions) if f.name != "use_reentrant")
