@@ -158,11 +158,6 @@ class Policy:
             return None
         return Policy(recompute=False, codec=self.recompute_codec, **self._recompute_codec_tuning())
 
-    def without_input_storage(self) -> Policy:
-        """This recompute policy with the segment's inputs kept as they are (codec and offload dropped), for a
-        caller that stores the inputs itself; the recomputation's storage stays."""
-        return Policy(recompute=True, recompute_codec=self.recompute_codec, **self._recompute_codec_tuning())
-
     def _recompute_codec_tuning(self) -> dict:
         """The tuning that carries over to a policy whose only codec is the recompute codec."""
         return dict(

@@ -32,9 +32,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import fastckpt
+from fastckpt.engine.options import CheckpointOptions
+from fastckpt.engine.strategy import Strategy
 from fastckpt.policies import Policy, resolve
-from fastckpt.storage.accounting import SegmentRecord, current_report
+from fastckpt.storage.accounting import SegmentRecord, register
 from fastckpt.storage.packer import SegmentStorage
 
 __all__ = [
@@ -262,45 +263,32 @@ def _checkpoint(function: Callable[..., Any], args: tuple, kwargs: dict, use_ree
         policy = dataclasses.replace(policy, offload=True)
     if config.partition_activations:
         _check_partition_policy(policy)  # a default set by `with fastckpt.policy(...)` is only known now
+    strategy = Strategy(policy)
     # One storage and one record per call: the policy's storage keeps the inputs (or, without recompute,
-    # every activation); a record exists when something is stored, partitioned or profiled.
-    storage = SegmentStorage(policy) if policy.stores_inputs or not policy.recompute else None
+    # every activation); partitioning is a storage around it; a record exists when something is stored,
+    # partitioned or profiled.
+    storage = strategy.storage()
+    if config.partition_activations and config.mp_size > 1:
+        storage = _PartitionedStorage(config, storage or SegmentStorage(policy))
     record = storage.record if storage is not None else None
-    partition = config.partition_activations and config.mp_size > 1
-    if record is None and (partition or config.profile):
+    if record is None and config.profile:
         record = SegmentRecord(policy=str(policy))
-        _add_to_report(record)
-    if partition:
-        record.policy = f"{policy} (1/{config.mp_size} kept)"
+        register(record)
     segment = _Segment(function, config.synchronize or config.profile, record if config.profile else None)
 
     tensors = _tensors(args, kwargs)
     if segment.synchronize:
         _synchronize(tensors)
     start = time.perf_counter()
-    if not policy.recompute:
-        with storage.hooks():  # no recompute: every tensor the segment saves goes through the storage
-            outputs = segment(*args, **kwargs)
-    else:
-        if use_reentrant and kwargs:  # the reentrant engine takes positional inputs only (as DeepSpeed's)
-            function_with_kwargs = _positional(segment, len(args), tuple(kwargs))
-            args, kwargs = args + tuple(kwargs.values()), {}
-        else:
-            function_with_kwargs = segment
-        if partition:
-            hooks = _Partition(config, storage, record).hooks()
-        else:
-            hooks = storage.hooks() if storage is not None else contextlib.nullcontext()
-        # The engines save the segment inputs under the saved-tensor hooks active around the call and add
-        # none for plain "recompute": so `hooks` sees exactly the inputs (tests/integrations checks this).
-        with hooks:
-            outputs = fastckpt.checkpoint(
-                function_with_kwargs,
-                *args,
-                use_reentrant=use_reentrant,
-                policy=policy.without_input_storage(),  # the inputs go through `hooks`
-                **kwargs,
-            )
+    function_with_kwargs = segment
+    if strategy.recompute and use_reentrant and kwargs:  # the reentrant engine takes positional inputs only
+        function_with_kwargs = _positional(segment, len(args), tuple(kwargs))
+        args, kwargs = args + tuple(kwargs.values()), {}
+    # The engines save the segment inputs under `storage`'s hooks and add none for plain "recompute": so a
+    # partition sees exactly the inputs (tests/integrations checks this).
+    outputs = strategy.run(
+        function_with_kwargs, args, kwargs, CheckpointOptions(use_reentrant=use_reentrant), storage=storage
+    )
     segment.forward_done = True
     if segment.synchronize:
         _synchronize(tensors)
@@ -348,7 +336,7 @@ class _Segment:
                 _synchronize(tensors)
             if self.record is not None:
                 self.record.recompute_seconds += time.perf_counter() - start
-                _add_to_report(self.record)  # a track() block around the backward only sees it here
+                register(self.record)  # a track() block around the backward only sees it here
 
 
 def _positional(function: Callable[..., Any], count: int, names: tuple[str, ...]) -> Callable[..., Any]:
@@ -371,33 +359,38 @@ class _Shard:
         self.numel = numel
 
 
-class _Partition:
-    """Saved-tensor hooks that keep 1/mp of each floating-point segment input and all-gather it in backward."""
+class _PartitionedStorage:
+    """A storage that keeps 1/mp of each floating-point segment input (through the policy's storage) and
+    all-gathers it over the model-parallel group in backward; other tensors go to the policy's storage as
+    they are. Its record is the policy storage's, named for the partition."""
 
-    def __init__(self, config: Settings, storage: SegmentStorage | None, record: SegmentRecord) -> None:
+    def __init__(self, config: Settings, storage: SegmentStorage) -> None:
         self.rank, self.size, self.group = config.mp_rank, config.mp_size, config.mp_group
         self.storage = storage
-        self.record = record
+        self.record = storage.record
+        self.record.policy = f"{storage.policy} (1/{self.size} kept)"
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The saved-tensor-hooks context to run the checkpoint call under."""
+        """The saved-tensor-hooks context the segment's inputs are saved under."""
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
     def pack(self, t: torch.Tensor) -> Any:
-        """Keep this rank's slice of `t` (through the policy's storage, if any); other tensors as the storage does."""
+        """Keep this rank's slice of `t`; a tensor that is not partitioned, as the policy's storage keeps it."""
         if not self._partitioned(t):
-            if self.storage is not None:
-                return self.storage.pack(t)  # which counts the tensor in the record itself
-            self.record.tensors += 1
-            return t.detach()
+            return self.storage.pack(t)
         flat = t.detach().reshape(-1)
         length = -(-flat.numel() // self.size)  # ceil: the last rank's slice is zero-padded
         begin, end = min(self.rank * length, flat.numel()), min((self.rank + 1) * length, flat.numel())
         shard = flat.new_zeros(length)  # a copy: a view would keep the whole tensor alive
         shard[: end - begin].copy_(flat[begin:end])
         raw_before = self.record.raw_bytes
-        packed = self.storage.pack(shard) if self.storage is not None else shard
-        self._account(t, shard, counted=self.record.raw_bytes != raw_before)
+        packed = self.storage.pack(shard)
+        # Raw bytes are the whole tensor's (what plain autograd would keep); kept bytes, the shard's. The
+        # storage counts no bytes for a shard it keeps as it is (too small for it): counted here then.
+        if self.record.raw_bytes == raw_before:
+            self.record.count_raw(shard)
+            self.record.count_kept((shard,))
+        self.record.count_raw(t, elements=t.numel() - shard.numel())
         return _Shard(packed, t.shape, t.numel())
 
     def _partitioned(self, t: torch.Tensor) -> bool:
@@ -408,27 +401,11 @@ class _Partition:
         base = t._base if t._base is not None else t
         return not (base.is_leaf and base.requires_grad)
 
-    def _account(self, t: torch.Tensor, shard: torch.Tensor, counted: bool) -> None:
-        """Raw bytes are the whole tensor's (what plain autograd would keep); stored bytes, the shard's.
-
-        `counted`: the storage accounted the shard itself; it counts no bytes for what it keeps as it is
-        (too small for it), and without a storage nothing counted it: then it is counted here.
-        """
-        record = self.record
-        if not counted:
-            if self.storage is None:
-                record.tensors += 1
-            record.raw_bytes += shard.numel() * shard.element_size()
-            record.raw_elements += shard.numel()
-            record.device_bytes += shard.numel() * shard.element_size()
-        record.raw_bytes += (t.numel() - shard.numel()) * t.element_size()
-        record.raw_elements += t.numel() - shard.numel()
-
     def unpack(self, packed: Any) -> torch.Tensor:
         """The whole tensor again: every rank's slice, all-gathered over the model-parallel group."""
         if not isinstance(packed, _Shard):
-            return self.storage.unpack(packed) if self.storage is not None else packed
-        shard = self.storage.unpack(packed.packed) if self.storage is not None else packed.packed
+            return self.storage.unpack(packed)
+        shard = self.storage.unpack(packed.packed)
         full = shard.new_empty(shard.numel() * self.size)
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.14
         gather(full, shard, group=self.group)
@@ -444,13 +421,6 @@ def _synchronize(tensors: list[torch.Tensor]) -> None:
     """torch.cuda.synchronize on each CUDA device among `tensors`; CPU work is already synchronous."""
     for device in {t.device for t in tensors if t.device.type == "cuda"}:
         torch.cuda.synchronize(device)
-
-
-def _add_to_report(record: SegmentRecord) -> None:
-    """Add `record` to the innermost fastckpt.track() report, if one is active."""
-    report = current_report()
-    if report is not None:
-        report.add(record)
 
 
 def _as_deepspeed_returns(outputs: Any) -> Any:

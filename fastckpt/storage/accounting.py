@@ -7,6 +7,13 @@ import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import torch
+
+
+def nbytes(t: torch.Tensor) -> int:
+    """Bytes of `t`'s elements. Not t.nbytes: that refuses the symbolic sizes of a compiled graph's fake values."""
+    return t.numel() * t.element_size()
+
 
 @dataclass
 class SegmentRecord:
@@ -29,6 +36,26 @@ class SegmentRecord:
     @property
     def stored_bytes(self) -> int:
         return self.device_bytes + self.host_bytes
+
+    # The one accounting path of every storage (eager segments, DeepSpeed's partitions):
+
+    def count_plain(self, reason: str) -> None:
+        """A saved tensor kept as autograd keeps it (Rule 3), for `reason`: no bytes of its own."""
+        self.kept_plain[reason] = self.kept_plain.get(reason, 0) + 1
+
+    def count_raw(self, t: torch.Tensor, elements: int | None = None) -> None:
+        """`t` (or `elements` of its elements) as plain autograd would have kept it."""
+        elements = t.numel() if elements is None else elements
+        self.raw_bytes += elements * t.element_size()
+        self.raw_elements += elements
+
+    def count_kept(self, tensors: tuple[torch.Tensor, ...], on_host: bool = False) -> None:
+        """What the storage keeps for one saved tensor instead: `tensors` on the device or on the host."""
+        kept = sum(nbytes(x) for x in tensors)
+        if on_host:
+            self.host_bytes += kept
+        else:
+            self.device_bytes += kept
 
     @property
     def bits_per_element(self) -> float:
@@ -88,6 +115,14 @@ _current: contextvars.ContextVar[Report | None] = contextvars.ContextVar("fastck
 def current_report() -> Report | None:
     """The report of the innermost active `track()` block, or None."""
     return _current.get()
+
+
+def register(record: SegmentRecord) -> None:
+    """Add `record` to the innermost active `track()` report (once), if there is one. A storage calls it when
+    it is made and again when backward first reads it: a track() block around the backward only sees that."""
+    report = _current.get()
+    if report is not None:
+        report.add(record)
 
 
 @contextlib.contextmanager

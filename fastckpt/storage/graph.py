@@ -23,6 +23,7 @@ import torch
 
 from fastckpt.policies import Policy
 from fastckpt.storage import codecs
+from fastckpt.storage.accounting import nbytes
 from fastckpt.storage.packer import SegmentStorage, _Stored, value_keep_plain_reason
 
 ANNOTATION = "fastckpt_policy"  # the key of a storing segment's policy in its ops' node.meta["custom"]
@@ -106,10 +107,10 @@ class GraphStorage:
             if reason is None:
                 codec = "mask" if t.dtype == torch.bool else policy.codec
         if codec is None:
-            self._note(context, node, t, policy, f"plain ({reason})", t.numel() * t.element_size())
+            self._note(context, node, t, policy, f"plain ({reason})", nbytes(t))
             return t
         encoded = codecs.encode_tensor(t, codec, None, False, exact_two=False)  # no data-dependent choice in a graph
-        stored_bytes = sum(x.numel() * x.element_size() for x in encoded.payload)
+        stored_bytes = sum(nbytes(x) for x in encoded.payload)
         self._note(context, node, t, policy, codec, stored_bytes)
         # Tensors, then constants (AOTAutograd inlines non-tensor leaves into the unpack graph).
         return (*encoded.payload, codec, encoded.group_size, t.dtype, list(encoded.shape), encoded.layout or ())

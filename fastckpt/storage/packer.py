@@ -17,14 +17,9 @@ import torch
 
 from fastckpt.policies import Policy
 from fastckpt.storage import codecs, offload
-from fastckpt.storage.accounting import SegmentRecord, current_report
+from fastckpt.storage.accounting import SegmentRecord, nbytes, register
 
 _STORABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    # Not t.nbytes: that refuses the symbolic sizes of a compiled graph's fake values (fastckpt.compiled).
-    return t.numel() * t.element_size()
 
 
 def _is_parameter_like(t: torch.Tensor) -> bool:
@@ -60,7 +55,7 @@ def value_keep_plain_reason(t: torch.Tensor, policy: Policy, alive_anyway: str |
         return str(t.dtype).removeprefix("torch.")
     if alive_anyway is not None:
         return alive_anyway
-    if _nbytes(t) < policy.min_tensor_bytes:
+    if nbytes(t) < policy.min_tensor_bytes:
         return "small"
     return None
 
@@ -104,9 +99,7 @@ class SegmentStorage:
         self._stored_by_key: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._offload_group: offload.OffloadGroup | None = None  # this segment's host copies (prefetched together)
         self._backward_started = False
-        report = current_report()
-        if report is not None:
-            report.add(self.record)
+        register(self.record)
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         """The saved-tensor-hooks context that routes the segment's saved tensors through this storage."""
@@ -119,7 +112,7 @@ class SegmentStorage:
         policy = self.policy.for_tensor(t)
         reason = keep_plain_reason(t, policy)
         if reason is not None:
-            record.kept_plain[reason] = record.kept_plain.get(reason, 0) + 1
+            record.count_plain(reason)
             # Detached: t itself would tie an output to its own grad_fn (a reference cycle); the
             # detached tensor shares t's version counter.
             return _Stored(None, (t.detach(),), on_host=False, version=t._version)
@@ -130,8 +123,7 @@ class SegmentStorage:
         first_saved, stored_ref = self._stored_by_key.get(key, (lambda: None, lambda: None))
         stored = stored_ref()
         if stored is None or first_saved() is None:
-            record.raw_bytes += _nbytes(t)
-            record.raw_elements += t.numel()
+            record.count_raw(t)
             stored = self._store(t, policy)
             self._stored_by_key[key] = (weakref.ref(t), weakref.ref(stored))
         record.pack_seconds += time.perf_counter() - start
@@ -146,22 +138,19 @@ class SegmentStorage:
             encoded = codecs.encode_tensor(t, codec, policy.group_size, policy.stochastic_rounding, exact_two=True)
             self.record.codecs.add(encoded.codec)
         tensors = encoded.payload if encoded else (t,)
-        nbytes = sum(_nbytes(x) for x in tensors)
         if policy.offload and t.device.type != "cpu":
-            self.record.host_bytes += nbytes
+            self.record.count_kept(tensors, on_host=True)
             if self._offload_group is None:
                 self._offload_group = offload.ENGINE.group()
             copies = tuple(offload.to_host(x, self._offload_group) for x in tensors)
             return _Stored(encoded, copies, True, None)
-        self.record.device_bytes += nbytes
+        self.record.count_kept(tensors)
         return _Stored(encoded, tensors, False, None if encoded else t._version)
 
     def unpack(self, stored: _Stored) -> torch.Tensor:
         stored.check_version(self.record.policy)
         start = time.perf_counter()
-        report = current_report()
-        if report is not None:
-            report.add(self.record)
+        register(self.record)
         if stored.on_host and not self._backward_started:
             self._backward_started = True
             offload.ENGINE.entering(self._offload_group)  # prefetch the segment backward runs next
