@@ -94,11 +94,11 @@ def checkpoint_sequential(
     else:
         functions = list(functions)
     if not isinstance(segments, int) or isinstance(segments, bool):
-        raise TypeError(f"checkpoint_sequential: `segments` must be an int, got {type(segments)}")
+        raise TypeError(f"fastckpt.checkpoint_sequential: `segments` must be an int, got {type(segments)}")
     if not 1 <= segments <= len(functions):
         raise ValueError(
-            f"checkpoint_sequential: `segments` must be between 1 and the number of modules ({len(functions)}), "
-            f"got {segments}"
+            "fastckpt.checkpoint_sequential: `segments` must be between 1 and the number of modules "
+            f"({len(functions)}), got {segments}"
         )
 
     def run(start: int, end: int) -> Callable[[Any], Any]:
@@ -165,9 +165,9 @@ def wrap(
 ) -> CheckpointWrapper:
     """Wrap `module` so each call is checkpointed with `policy`; state-dict keys stay those of `module`."""
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"wrap: `module` must be a torch.nn.Module, got {type(module)}")
+        raise TypeError(f"fastckpt.wrap: `module` must be a torch.nn.Module, got {type(module)}")
     if isinstance(module, CheckpointWrapper):
-        raise ValueError("wrap: `module` is already wrapped by fastckpt; wrap the inner module once")
+        raise ValueError("fastckpt.wrap: `module` is already wrapped by fastckpt; wrap the inner module once")
     return CheckpointWrapper(module, policy, use_reentrant)
 
 
@@ -183,9 +183,9 @@ def apply(
     Matching submodules are not searched further. Returns `model`.
     """
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"apply: `model` must be a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(f"fastckpt.apply: `model` must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(check_fn):
-        raise TypeError(f"apply: `check_fn` must be callable (module -> bool), got {type(check_fn)}")
+        raise TypeError(f"fastckpt.apply: `check_fn` must be callable (module -> bool), got {type(check_fn)}")
     if policy is not None:
         Policy.parse(policy)  # fail before changing the model
     for name, child in list(model.named_children()):

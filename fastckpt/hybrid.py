@@ -45,7 +45,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 from fastckpt.api import CheckpointWrapper, checkpoint
 from fastckpt.engine import kept_ops
-from fastckpt.policies import Policy
+from fastckpt.policies import Policy, error_reason
 from fastckpt.storage.packer import SegmentStorage
 
 PREFIX = "selective:"  # labels: 'selective:int8' is selective(store='int8')
@@ -195,12 +195,13 @@ def wrap(module: torch.nn.Module, context_fn: Selective, policy: str | Policy | 
     """`module` with each call checkpointed under `context_fn` (a `selective()`) and `policy`; state-dict keys
     stay those of `module` (a fastckpt.CheckpointWrapper)."""
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"hybrid.wrap: `module` must be a torch.nn.Module, got {type(module)}")
+        raise TypeError(f"fastckpt.hybrid.wrap: `module` must be a torch.nn.Module, got {type(module)}")
     if isinstance(module, CheckpointWrapper):
-        raise ValueError("hybrid.wrap: `module` is already wrapped by fastckpt; wrap the inner module once")
+        raise ValueError("fastckpt.hybrid.wrap: `module` is already wrapped by fastckpt; wrap the inner module once")
     if not isinstance(context_fn, Selective):
         raise TypeError(
-            f"hybrid.wrap: `context_fn` must be a fastckpt.hybrid.selective(...), got {type(context_fn).__name__}"
+            "fastckpt.hybrid.wrap: `context_fn` must be a fastckpt.hybrid.selective(...), got "
+            f"{type(context_fn).__name__}"
         )
     if policy is not None and not Policy.parse(policy).recompute:
         raise ValueError(_needs_recompute(policy))
@@ -236,7 +237,7 @@ def _storage_policy(store: str | Policy | None) -> Policy:
     try:
         policy = Policy.parse(store)
     except (TypeError, ValueError) as error:
-        raise ValueError(f"fastckpt.hybrid.selective: store={store!r}: {error}") from None
+        raise ValueError(f"fastckpt.hybrid.selective: store={store!r}: {error_reason(error)}") from None
     if policy.recompute:
         raise ValueError(
             f"fastckpt.hybrid.selective: store={str(policy)!r} recomputes; `store` is how the saved op outputs are "
@@ -305,8 +306,8 @@ class _SelectiveForward:
     def __enter__(self) -> _SelectiveForward:
         if self.respect_saved_tensors_hooks is False:
             raise ValueError(
-                f"checkpoint: respect_saved_tensors_hooks=False keeps what selective checkpointing saves away from "
-                f"saved-tensor hooks, so {self.label!r} cannot store it; pass True or leave it None"
+                "fastckpt.checkpoint: respect_saved_tensors_hooks=False keeps what selective checkpointing saves away "
+                f"from saved-tensor hooks, so {self.label!r} cannot store it; pass True or leave it None"
             )
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
         if top is None or not getattr(top[0], "_checkpoint_internal", False):

@@ -19,6 +19,12 @@ _INTEGER_CODECS = ("int8", "int4", "int2")
 MAX_GROUP_SIZE = 2**31 - 1  # a group never spans more than the tensor; the kernels index groups with int32
 
 
+def error_reason(error: Exception) -> str:
+    """A Policy error's text without its 'fastckpt.Policy: ' prefix, for a caller whose message names the
+    argument itself (a plan candidate, a selective store)."""
+    return str(error).removeprefix("fastckpt.Policy: ")
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -52,19 +58,21 @@ class Policy:
     def __post_init__(self) -> None:
         for name in ("recompute", "offload", "stochastic_rounding"):
             if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Policy: {name} must be True or False, got {getattr(self, name)!r}")
+                raise TypeError(f"fastckpt.Policy: {name} must be True or False, got {getattr(self, name)!r}")
         if self.codec is not None and self.codec not in CODECS:
-            raise ValueError(f"Policy: codec={self.codec!r} is not one of {list(CODECS)} (or None for exact storage)")
+            raise ValueError(
+                f"fastckpt.Policy: codec={self.codec!r} is not one of {list(CODECS)} (or None for exact storage)"
+            )
         if self.recompute_codec is not None:
             if self.recompute_codec not in CODECS:
                 raise ValueError(
-                    f"Policy: recompute_codec={self.recompute_codec!r} is not one of {list(CODECS)} (or None to keep "
-                    "recomputed tensors plain)"
+                    f"fastckpt.Policy: recompute_codec={self.recompute_codec!r} is not one of {list(CODECS)} (or None "
+                    "to keep recomputed tensors plain)"
                 )
             if not self.recompute:
                 raise ValueError(
-                    f"Policy: recompute_codec={self.recompute_codec!r} applies to recomputed tensors; it needs "
-                    "recompute=True"
+                    f"fastckpt.Policy: recompute_codec={self.recompute_codec!r} applies to recomputed tensors; it "
+                    "needs recompute=True"
                 )
         if (
             self.stochastic_rounding
@@ -72,20 +80,23 @@ class Policy:
             and self.recompute_codec not in _INTEGER_CODECS
         ):
             raise ValueError(
-                "Policy: stochastic_rounding applies to the int8/int4/int2 codecs, not to "
+                "fastckpt.Policy: stochastic_rounding applies to the int8/int4/int2 codecs, not to "
                 f"codec={self.codec!r}"
                 + (f" / recompute_codec={self.recompute_codec!r}" if self.recompute_codec else "")
             )
         if self.group_size is not None and not (_is_int(self.group_size) and 1 <= self.group_size <= MAX_GROUP_SIZE):
             raise ValueError(
-                f"Policy: group_size must be an integer from 1 to {MAX_GROUP_SIZE} (or None for the codec's default), "
-                f"got {self.group_size!r}"
+                f"fastckpt.Policy: group_size must be an integer from 1 to {MAX_GROUP_SIZE} (or None for the codec's "
+                f"default), got {self.group_size!r}"
             )
         if not (_is_int(self.min_tensor_bytes) and self.min_tensor_bytes >= 0):
-            raise ValueError(f"Policy: min_tensor_bytes must be an integer >= 0, got {self.min_tensor_bytes!r}")
+            raise ValueError(
+                f"fastckpt.Policy: min_tensor_bytes must be an integer >= 0, got {self.min_tensor_bytes!r}"
+            )
         if self.rule is not None and not callable(self.rule):
             raise TypeError(
-                f"Policy: rule must be a callable (tensor -> Policy, policy string or None), got {type(self.rule)}"
+                "fastckpt.Policy: rule must be a callable (tensor -> Policy, policy string or None), got "
+                f"{type(self.rule)}"
             )
 
     def for_tensor(self, t: torch.Tensor) -> Policy:
@@ -97,8 +108,8 @@ class Policy:
             return self
         if not isinstance(chosen, (str, Policy)):
             raise TypeError(
-                f"Policy: rule returned {type(chosen).__name__} {chosen!r}; it must return a fastckpt.Policy, a policy "
-                "string such as 'int8', or None (keep the segment's policy)"
+                f"fastckpt.Policy: rule returned {type(chosen).__name__} {chosen!r}; it must return a fastckpt.Policy, "
+                "a policy string such as 'int8', or None (keep the segment's policy)"
             )
         return Policy.parse(chosen)
 
@@ -108,7 +119,10 @@ class Policy:
         if isinstance(spec, Policy):
             return spec
         if not isinstance(spec, str):
-            raise TypeError(f"policy must be a string such as 'int4+offload' or a fastckpt.Policy, got {type(spec)}")
+            raise TypeError(
+                "fastckpt.Policy: policy must be a string such as 'int4+offload' or a fastckpt.Policy, got "
+                f"{type(spec)}"
+            )
         tokens = [t.strip() for t in spec.split("+")]
         valid = [*TOKENS, *RECOMPUTE_TOKENS]
         for token in tokens:
@@ -117,24 +131,26 @@ class Policy:
             head, colon, tail = token.partition(":")
             if colon and head.strip() == "recompute":
                 raise ValueError(
-                    f"policy {spec!r}: unknown codec {tail.strip()!r} in token {token!r}; 'recompute:' takes one of "
-                    f"{list(CODECS)}; valid tokens are {valid}"
+                    f"fastckpt.Policy: policy {spec!r}: unknown codec {tail.strip()!r} in token {token!r}; "
+                    f"'recompute:' takes one of {list(CODECS)}; valid tokens are {valid}"
                 )
-            raise ValueError(f"policy {spec!r}: unknown token {token!r}; valid tokens are {valid}")
+            raise ValueError(f"fastckpt.Policy: policy {spec!r}: unknown token {token!r}; valid tokens are {valid}")
         if len(set(tokens)) != len(tokens):
-            raise ValueError(f"policy {spec!r}: a token is repeated")
+            raise ValueError(f"fastckpt.Policy: policy {spec!r}: a token is repeated")
         recompute_tokens = [t for t in tokens if t == "recompute" or t in RECOMPUTE_TOKENS]
         if len(recompute_tokens) > 1:
             raise ValueError(
-                f"policy {spec!r}: {recompute_tokens} both ask for recompute; use one ('recompute:<codec>' already "
-                "means recompute)"
+                f"fastckpt.Policy: policy {spec!r}: {recompute_tokens} both ask for recompute; use one "
+                "('recompute:<codec>' already means recompute)"
             )
         recompute_codec = (recompute_tokens[0].partition(":")[2] or None) if recompute_tokens else None
         codecs = [t for t in tokens if t in CODECS]
         if len(codecs) > 1:
-            raise ValueError(f"policy {spec!r}: at most one codec of {list(CODECS)}, got {codecs}")
+            raise ValueError(f"fastckpt.Policy: policy {spec!r}: at most one codec of {list(CODECS)}, got {codecs}")
         if "save" in tokens and len(tokens) > 1:
-            raise ValueError(f"policy {spec!r}: 'save' (plain storage) cannot be combined with other tokens")
+            raise ValueError(
+                f"fastckpt.Policy: policy {spec!r}: 'save' (plain storage) cannot be combined with other tokens"
+            )
         return cls(
             recompute=bool(recompute_tokens),
             codec=codecs[0] if codecs else None,

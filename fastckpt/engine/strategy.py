@@ -73,9 +73,9 @@ class Strategy:
         if not self.recompute:
             if options.has_recompute_only_options:
                 raise ValueError(
-                    f"policy={str(self.policy)!r} stores tensors instead of recomputing, so `context_fn`, `debug` "
-                    "and `respect_saved_tensors_hooks` (which act on the recomputation) do not apply; drop them or "
-                    "use a policy with 'recompute'"
+                    f"fastckpt.checkpoint: policy={str(self.policy)!r} stores tensors instead of recomputing, so "
+                    "`context_fn`, `debug` and `respect_saved_tensors_hooks` (which act on the recomputation) do not "
+                    "apply; drop them or use a policy with 'recompute'"
                 )
             return
         if options.use_reentrant:
@@ -131,7 +131,9 @@ class Strategy:
 def check_call(function: Any, options: CheckpointOptions) -> None:
     """Refuse a call no policy can run (checked before the policy is read, as torch checks them first)."""
     if not callable(function):
-        raise TypeError(f"checkpoint: `function` must be callable (a module or function), got {type(function)}")
+        raise TypeError(
+            f"fastckpt.checkpoint: `function` must be callable (a module or function), got {type(function)}"
+        )
     if options.determinism_check not in DETERMINISM_CHECKS:
         raise ValueError(
             f"determinism_check should be one of {list(DETERMINISM_CHECKS)}, but got {options.determinism_check}"

@@ -136,19 +136,22 @@ def configure(
     if values.get("contiguous_checkpointing"):
         if not values.get("partition_activations"):
             raise ContiguousCheckpointingError(
-                "configure: contiguous_checkpointing (contiguous_memory_optimization) requires "
-                "partition_activations=True, as in DeepSpeed; enable partitioning or drop contiguous_checkpointing"
+                "fastckpt.integrations.deepspeed.configure: contiguous_checkpointing (contiguous_memory_optimization) "
+                "requires partition_activations=True, as in DeepSpeed; enable partitioning or drop "
+                "contiguous_checkpointing"
             )
         if values.get("num_checkpoints") is None:
             raise ContiguousCheckpointingError(
-                "configure: contiguous_checkpointing requires num_checkpoints (number_checkpoints), as in "
-                "DeepSpeed; pass the number of checkpointed layers"
+                "fastckpt.integrations.deepspeed.configure: contiguous_checkpointing requires num_checkpoints "
+                "(number_checkpoints), as in DeepSpeed; pass the number of checkpointed layers"
             )
     parsed = None if policy is None else Policy.parse(policy)
     if parsed is not None and values.get("partition_activations"):
         _check_partition_policy(parsed)
     if not isinstance(use_reentrant, bool):
-        raise TypeError(f"configure: `use_reentrant` must be a bool, got {type(use_reentrant)}")
+        raise TypeError(
+            f"fastckpt.integrations.deepspeed.configure: `use_reentrant` must be a bool, got {type(use_reentrant)}"
+        )
     global _settings
     _settings = Settings(configured=True, **_model_parallel(mpu_), policy=parsed, use_reentrant=use_reentrant, **values)
 
@@ -160,17 +163,25 @@ def _read_config(config: dict | str | os.PathLike) -> dict[str, Any]:
             with open(config) as f:
                 config = json.load(f, object_pairs_hook=_no_duplicate_keys)
         except OSError as error:
-            raise ValueError(f"configure: cannot read deepspeed_config file {str(config)!r}: {error}") from error
+            raise ValueError(
+                f"fastckpt.integrations.deepspeed.configure: cannot read deepspeed_config file {str(config)!r}: {error}"
+            ) from error
     if not isinstance(config, dict):
-        raise TypeError(f"configure: `deepspeed_config` must be a dict or the path of a JSON file, got {type(config)}")
+        raise TypeError(
+            "fastckpt.integrations.deepspeed.configure: `deepspeed_config` must be a dict or the path of a JSON file, "
+            f"got {type(config)}"
+        )
     section = config.get("activation_checkpointing", {})
     if not isinstance(section, dict):
-        raise TypeError(f"configure: deepspeed_config['activation_checkpointing'] must be a dict, got {type(section)}")
+        raise TypeError(
+            "fastckpt.integrations.deepspeed.configure: deepspeed_config['activation_checkpointing'] must be a dict, "
+            f"got {type(section)}"
+        )
     unknown = [key for key in section if key not in CONFIG_KEYS]
     if unknown:
         raise ValueError(
-            f"configure: unknown key {unknown[0]!r} in deepspeed_config['activation_checkpointing']; "
-            f"valid keys are {sorted(CONFIG_KEYS)}"
+            f"fastckpt.integrations.deepspeed.configure: unknown key {unknown[0]!r} in "
+            f"deepspeed_config['activation_checkpointing']; valid keys are {sorted(CONFIG_KEYS)}"
         )
     return {CONFIG_KEYS[key]: value for key, value in section.items()}
 
@@ -180,7 +191,7 @@ def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     keys = [key for key, _ in pairs]
     repeated = sorted({key for key in keys if keys.count(key) > 1})
     if repeated:
-        raise ValueError(f"configure: deepspeed_config repeats the key(s) {repeated}")
+        raise ValueError(f"fastckpt.integrations.deepspeed.configure: deepspeed_config repeats the key(s) {repeated}")
     return dict(pairs)
 
 
@@ -188,9 +199,14 @@ def _check_type(name: str, value: Any) -> None:
     """Settings are bools except num_checkpoints (a positive int or None): reject anything else by name."""
     if name == "num_checkpoints":
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"configure: num_checkpoints (number_checkpoints) must be a positive int, got {value!r}")
+            raise ValueError(
+                "fastckpt.integrations.deepspeed.configure: num_checkpoints (number_checkpoints) must be a positive "
+                f"int, got {value!r}"
+            )
     elif not isinstance(value, bool):
-        raise TypeError(f"configure: {name} must be a bool (true/false in JSON), got {value!r}")
+        raise TypeError(
+            f"fastckpt.integrations.deepspeed.configure: {name} must be a bool (true/false in JSON), got {value!r}"
+        )
 
 
 def _model_parallel(mpu: Any) -> dict[str, Any]:
@@ -204,11 +220,15 @@ def _model_parallel(mpu: Any) -> dict[str, Any]:
             break
     else:
         raise TypeError(
-            f"configure: `mpu_` ({type(mpu).__name__}) must provide get_model_parallel_rank/world_size/group "
-            "(or the get_tensor_model_parallel_* variants); pass None without model parallelism"
+            f"fastckpt.integrations.deepspeed.configure: `mpu_` ({type(mpu).__name__}) must provide "
+            "get_model_parallel_rank/world_size/group (or the get_tensor_model_parallel_* variants); pass None "
+            "without model parallelism"
         )
     if not (isinstance(size, int) and size >= 1 and isinstance(rank, int) and 0 <= rank < size):
-        raise ValueError(f"configure: `mpu_` gave model-parallel rank {rank!r} of world size {size!r}")
+        raise ValueError(
+            f"fastckpt.integrations.deepspeed.configure: `mpu_` gave model-parallel rank {rank!r} of world size "
+            f"{size!r}"
+        )
     return dict(mpu=mpu, mp_rank=rank, mp_size=size, mp_group=group)
 
 
@@ -216,9 +236,9 @@ def _check_partition_policy(policy: Policy) -> None:
     """Partitioning shards the inputs a recompute keeps; a storage policy keeps every activation instead."""
     if not policy.recompute:
         raise ValueError(
-            f"configure: partition_activations=True shards the segment inputs that a recompute policy keeps, "
-            f"but policy={str(policy)!r} stores every activation (no recompute); use a policy with 'recompute' "
-            "(e.g. 'recompute+int8') or partition_activations=False"
+            "fastckpt.integrations.deepspeed.configure: partition_activations=True shards the segment inputs that a "
+            f"recompute policy keeps, but policy={str(policy)!r} stores every activation (no recompute); use a policy "
+            "with 'recompute' (e.g. 'recompute+int8') or partition_activations=False"
         )
 
 
@@ -256,7 +276,10 @@ def non_reentrant_checkpoint(function: Callable[..., Any], *args: Any, **kwargs:
 def _checkpoint(function: Callable[..., Any], args: tuple, kwargs: dict, use_reentrant: bool) -> Any:
     """One checkpointed call: pick the storage around fastckpt.checkpoint, time and synchronize it."""
     if not callable(function):
-        raise TypeError(f"checkpoint: `function` must be callable (a module or function), got {type(function)}")
+        raise TypeError(
+            "fastckpt.integrations.deepspeed.checkpoint: `function` must be callable (a module or function), got "
+            f"{type(function)}"
+        )
     config = _settings
     policy = resolve(config.policy)
     if config.checkpoint_in_cpu:
@@ -458,8 +481,8 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     mpu = _settings.mpu if _settings.mpu is not None else module.mpu
     if mpu is None:
         raise RuntimeError(
-            "model_parallel_cuda_manual_seed needs the model-parallel unit: call configure(mpu_) first "
-            "(without model parallelism, torch.manual_seed is all you need)"
+            "fastckpt.integrations.deepspeed.model_parallel_cuda_manual_seed needs the model-parallel unit: call "
+            "configure(mpu_) first (without model parallelism, torch.manual_seed is all you need)"
         )
     with _deepspeed_mpu(module, mpu):
         module.model_parallel_cuda_manual_seed(seed)

@@ -22,7 +22,7 @@ from torch import nn
 
 from fastckpt import hybrid, tiling
 from fastckpt.api import wrap
-from fastckpt.policies import Policy
+from fastckpt.policies import Policy, error_reason
 
 NONE = "none"  # the candidate that leaves a segment as it is (plain autograd, no checkpoint)
 REFERENCE = "recompute"  # stock checkpointing: what "N%" budgets are relative to
@@ -86,24 +86,26 @@ def parse_candidates(candidates: Iterable[str | Policy | None] | None) -> list[C
     if candidates is None:
         return [parse_candidate(name) for name in DEFAULT_CANDIDATES]
     if isinstance(candidates, (str, Policy)):
-        raise TypeError("plan: `candidates` must be a list of policies, e.g. ['none', 'recompute', 'int8']")
+        raise TypeError("fastckpt.plan: `candidates` must be a list of policies, e.g. ['none', 'recompute', 'int8']")
     parsed: list[Candidate] = []
     for candidate in candidates:
         try:
             one = parse_candidate(candidate)
         except (TypeError, ValueError) as error:
             raise ValueError(
-                f"plan: candidate {candidate!r}: {error} (or '{NONE}' for no checkpoint, "
+                f"fastckpt.plan: candidate {candidate!r}: {error_reason(error)} (or '{NONE}' for no checkpoint, "
                 f"'{hybrid.PREFIX}<codec>' or '{hybrid.ATTENTION_PREFIX}<codec>' for selective checkpointing, "
                 f"'{BATCH_PREFIX}<N>:<policy>' for batch slices)"
             ) from None
         if isinstance(candidate, Policy) and candidate.rule is not None:
-            raise ValueError(f"plan: candidate {candidate!r} has a per-tensor rule; the planner takes policy strings")
+            raise ValueError(
+                f"fastckpt.plan: candidate {candidate!r} has a per-tensor rule; the planner takes policy strings"
+            )
         if one in parsed:
-            raise ValueError(f"plan: candidate {candidate!r} is listed twice (as {one.name!r})")
+            raise ValueError(f"fastckpt.plan: candidate {candidate!r} is listed twice (as {one.name!r})")
         parsed.append(one)
     if not parsed:
-        raise ValueError("plan: `candidates` is empty")
+        raise ValueError("fastckpt.plan: `candidates` is empty")
     return parsed
 
 
@@ -115,7 +117,9 @@ def extended_candidates(batch_slices: Iterable[int] = ()) -> list[str]:
     names = [*DEFAULT_CANDIDATES, *_ATTENTION_CANDIDATES]
     for count in batch_slices:
         if not (isinstance(count, int) and not isinstance(count, bool) and count >= 2):
-            raise ValueError(f"extended_candidates: each batch slice count must be an integer >= 2, got {count!r}")
+            raise ValueError(
+                f"fastckpt.extended_candidates: each batch slice count must be an integer >= 2, got {count!r}"
+            )
         names += [f"{BATCH_PREFIX}{count}:{form}" for form in (*_SLICED, *_ATTENTION_CANDIDATES)]
     return names
 

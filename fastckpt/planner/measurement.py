@@ -129,14 +129,14 @@ def _run(segments: list[Segment], step: Callable[[], Any], candidate: Candidate,
     wrong = [(s.name, c) for s, c in zip(segments, instrumented.calls, strict=True) if c != 1]
     if wrong:
         raise ValueError(
-            f"plan: each segment must run exactly once per step(); (segment, runs): {wrong}. The planner measures "
-            "one forward and backward per segment"
+            f"fastckpt.plan: each segment must run exactly once per step(); (segment, runs): {wrong}. The planner "
+            "measures one forward and backward per segment"
         )
     missing = [s.name for i, s in enumerate(segments) if f"b{i}" not in recorder.keys]
     if missing:
         raise ValueError(
-            f"plan: no gradient reached the outputs of segments {missing} in step(); step() must run the forward "
-            "and the backward of the training step"
+            f"fastckpt.plan: no gradient reached the outputs of segments {missing} in step(); step() must run the "
+            "forward and the backward of the training step"
         )
 
 
@@ -149,8 +149,8 @@ def _boundaries(keys: list[str], n: int) -> list[str]:
     positions = [position[k] for k in order]
     if positions != sorted(positions):
         raise ValueError(
-            "plan: the segments must run forward in model order and backward in reverse order (a stack of blocks); "
-            f"marks seen: {[k for k in keys if k[0] in 'fFb']}"
+            "fastckpt.plan: the segments must run forward in model order and backward in reverse order (a stack of "
+            f"blocks); marks seen: {[k for k in keys if k[0] in 'fFb']}"
         )
     return order
 
@@ -246,7 +246,9 @@ def measure_candidates(
             with NonFinite(model, segments) as check:
                 measured = _memory_run(segments, step, candidate, device)
             if check.found and not plain.found:  # a storage that breaks the gradients, not the model's own
-                raise RuntimeError(f"plan: candidate {name!r} {check.found}, where the plain step's are finite")
+                raise RuntimeError(
+                    f"fastckpt.plan: candidate {name!r} {check.found}, where the plain step's are finite"
+                )
             memory[name] = measured
         except Exception as error:
             if name == REFERENCE:
@@ -254,7 +256,9 @@ def measure_candidates(
             for p, grad in grads:  # what the broken step accumulated must not skew the next runs
                 p.grad = grad
             failed[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-            warnings.warn(f"plan: candidate {name!r} failed on this model, left out ({failed[name]})", stacklevel=4)
+            warnings.warn(
+                f"fastckpt.plan: candidate {name!r} failed on this model, left out ({failed[name]})", stacklevel=4
+            )
     ran = [candidate for candidate in candidates if candidate.name in memory]
     samples: dict[str, list[list[float]]] = {candidate.name: [] for candidate in ran}
     for _ in range(repeats):  # interleaved, so drift of the machine's speed hits every candidate alike
@@ -342,8 +346,8 @@ def gradient_errors(
             references[key] = gradients(parse_candidate(key))
             if not all(g is None or finite(g) for g in references[key]):
                 raise ValueError(
-                    f"plan: max_error: the gradients under {key!r} (the reference) hold NaN/inf, so no gradient "
-                    "error can be measured against them; fix the step's gradients or pass max_error=None"
+                    f"fastckpt.plan: max_error: the gradients under {key!r} (the reference) hold NaN/inf, so no "
+                    "gradient error can be measured against them; fix the step's gradients or pass max_error=None"
                 )
         return references[key]
 

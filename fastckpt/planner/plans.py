@@ -74,14 +74,14 @@ class Measurements:
             else ""
         )
         if not self.candidates:
-            raise ValueError(f"plan: no candidate is left to assign to the segments{excluded}")
+            raise ValueError(f"fastckpt.plan: no candidate is left to assign to the segments{excluded}")
         policies = peak_model.fastest_within(self.by_policy, self.candidates, len(self.segments), limit)
         if policies is None:
             smallest = self.smallest_feasible_budget()
             raise ValueError(
-                f"plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments fits a "
-                f"budget of {limit} bytes ({limit / 2**20:.2f} MiB); the smallest feasible budget is "
-                f"{smallest} bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock "
+                f"fastckpt.plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments "
+                f"fits a budget of {limit} bytes ({limit / 2**20:.2f} MiB); the smallest feasible budget is {smallest} "
+                f"bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock "
                 "checkpointing's peak)"
             )
         return Plan(
@@ -108,10 +108,12 @@ class Measurements:
     def _check(self, policies: Sequence[str]) -> list[str]:
         policies = [parse_candidate(p).name for p in policies]
         if len(policies) != len(self.segments):
-            raise ValueError(f"{len(self.segments)} policies needed (one per segment), got {len(policies)}")
+            raise ValueError(
+                f"fastckpt.Measurements: {len(self.segments)} policies needed (one per segment), got {len(policies)}"
+            )
         unknown = sorted({p for p in policies if p not in self.by_policy})
         if unknown:
-            raise ValueError(f"{unknown} not measured; measured: {list(self.by_policy)}")
+            raise ValueError(f"fastckpt.Measurements: {unknown} not measured; measured: {list(self.by_policy)}")
         return policies
 
     def _candidate(self, name: str) -> Candidate:
@@ -162,12 +164,12 @@ class Plan:
     def apply(self) -> nn.Module:
         """Wrap each segment in place with its policy (fastckpt.wrap; state dict unchanged); returns the model."""
         if self.applied:
-            raise RuntimeError("Plan.apply: this plan is already applied to the model")
+            raise RuntimeError("fastckpt.Plan.apply: this plan is already applied to the model")
         for segment in self.segments:
             if getattr(segment.parent, segment.attribute) is not segment.module:
                 raise RuntimeError(
-                    f"Plan.apply: segment {segment.name!r} is no longer the module the plan measured (another plan "
-                    "applied, or the model changed); measure again"
+                    f"fastckpt.Plan.apply: segment {segment.name!r} is no longer the module the plan measured (another "
+                    "plan applied, or the model changed); measure again"
                 )
         for segment, policy in zip(self.segments, self.policies, strict=True):
             runner = self.measurements._candidate(policy).wrap(segment.module)
@@ -179,7 +181,7 @@ class Plan:
     def remove(self) -> nn.Module:
         """Undo `apply`: put the original segment modules back; returns the model."""
         if not self.applied:
-            raise RuntimeError("Plan.remove: this plan is not applied")
+            raise RuntimeError("fastckpt.Plan.remove: this plan is not applied")
         for segment in self.segments:
             setattr(segment.parent, segment.attribute, segment.module)
         self.applied = False
@@ -275,7 +277,9 @@ def measure(
     for candidate in parsed:
         if candidate.batch_slices in mixing:
             failed[candidate.name] = mixing[candidate.batch_slices]
-            warnings.warn(f"plan: candidate {candidate.name!r} left out: {failed[candidate.name]}", stacklevel=2)
+            warnings.warn(
+                f"fastckpt.plan: candidate {candidate.name!r} left out: {failed[candidate.name]}", stacklevel=2
+            )
     if max_error is not None:
         ran = [c for c in measured if c.name in by_policy]
         for name, error in gradient_errors(model, segments, step, ran, device).items():

@@ -31,12 +31,14 @@ def find_segments(model: nn.Module, check_fn: Callable[[nn.Module], bool] | None
         segments = []
         _collect(model, "", check_fn, segments)
         if not segments:
-            raise ValueError("plan: `check_fn` selected no submodule of the model")
+            raise ValueError("fastckpt.plan: `check_fn` selected no submodule of the model")
     wrapped = [s.name for s in segments if isinstance(s.module, CheckpointWrapper)]
     if wrapped:
-        raise ValueError(f"plan: segments {wrapped} are already wrapped by fastckpt; plan the unwrapped model")
+        raise ValueError(f"fastckpt.plan: segments {wrapped} are already wrapped by fastckpt; plan the unwrapped model")
     if len({id(s.module) for s in segments}) != len(segments):
-        raise ValueError("plan: the same module appears as several segments; the planner needs each to run once")
+        raise ValueError(
+            "fastckpt.plan: the same module appears as several segments; the planner needs each to run once"
+        )
     return segments
 
 
@@ -66,8 +68,8 @@ def _default_segments(model: nn.Module) -> list[Segment]:
             best = (name, module)
     if best is None:
         raise ValueError(
-            "plan: the model has no nn.ModuleList/nn.Sequential of two or more identical blocks to plan; pass "
-            "check_fn to choose the segments"
+            "fastckpt.plan: the model has no nn.ModuleList/nn.Sequential of two or more identical blocks to plan; "
+            "pass check_fn to choose the segments"
         )
     prefix = f"{best[0]}." if best[0] else ""
     return [Segment(f"{prefix}{name}", best[1], name, child) for name, child in best[1].named_children()]
@@ -85,24 +87,30 @@ def device_of(model: nn.Module) -> torch.device:
 def check_arguments(model: Any, step: Any, check_fn: Any, repeats: Any, max_error: Any) -> None:
     """measure()'s arguments other than the candidates, each named when wrong."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"plan: `model` must be a torch.nn.Module, got {type(model).__name__}")
+        raise TypeError(f"fastckpt.plan: `model` must be a torch.nn.Module, got {type(model).__name__}")
     if not callable(step):
-        raise TypeError(f"plan: `step` must be a callable running one forward and backward, got {type(step).__name__}")
+        raise TypeError(
+            f"fastckpt.plan: `step` must be a callable running one forward and backward, got {type(step).__name__}"
+        )
     if check_fn is not None and not callable(check_fn):
-        raise TypeError(f"plan: `check_fn` must be callable (module -> bool), got {type(check_fn).__name__}")
+        raise TypeError(f"fastckpt.plan: `check_fn` must be callable (module -> bool), got {type(check_fn).__name__}")
     if not (isinstance(repeats, int) and not isinstance(repeats, bool) and repeats >= 1):
-        raise ValueError(f"plan: `repeats` must be an integer >= 1, got {repeats!r}")
+        raise ValueError(f"fastckpt.plan: `repeats` must be an integer >= 1, got {repeats!r}")
     if max_error is not None and not (
         isinstance(max_error, (int, float)) and not isinstance(max_error, bool) and max_error >= 0
     ):
-        raise ValueError(f"plan: `max_error` must be a number >= 0 (a relative L2 error) or None, got {max_error!r}")
+        raise ValueError(
+            f"fastckpt.plan: `max_error` must be a number >= 0 (a relative L2 error) or None, got {max_error!r}"
+        )
 
 
 def check_budget(budget: int | str) -> None:
     if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise TypeError(f"plan: `budget` must be bytes (an int) or a string such as '50%', got {type(budget).__name__}")
+        raise TypeError(
+            f"fastckpt.plan: `budget` must be bytes (an int) or a string such as '50%', got {type(budget).__name__}"
+        )
     if isinstance(budget, int) and budget <= 0:
-        raise ValueError(f"plan: `budget` must be a positive number of bytes, got {budget}")
+        raise ValueError(f"fastckpt.plan: `budget` must be a positive number of bytes, got {budget}")
     if isinstance(budget, str):
         _percent(budget)
 
@@ -115,7 +123,8 @@ def _percent(budget: str) -> float:
         value = float("nan")
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(
-            f"plan: budget {budget!r} is not a percentage such as '50%' (of stock checkpointing's peak) or bytes"
+            f"fastckpt.plan: budget {budget!r} is not a percentage such as '50%' (of stock checkpointing's peak) or "
+            "bytes"
         )
     return value
 

@@ -75,9 +75,9 @@ class HostArena:
             except RuntimeError as err:
                 self._pinning_failed = True
                 warnings.warn(
-                    f"fastckpt offload: pinning {nbytes} bytes of host memory failed ({err}); falling back to pageable "
-                    "host memory, which makes copies synchronous and slower. Free host memory or raise the "
-                    "locked-memory limit (ulimit -l) to get pinned copies back.",
+                    f"fastckpt.checkpoint (offload): pinning {nbytes} bytes of host memory failed ({err}); falling "
+                    "back to pageable host memory, which makes copies synchronous and slower. Free host memory or "
+                    "raise the locked-memory limit (ulimit -l) to get pinned copies back.",
                     stacklevel=4,
                 )
         return torch.empty(nbytes, dtype=torch.uint8)
