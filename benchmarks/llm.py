@@ -1,0 +1,322 @@
+"""The whole step of an LLM fine-tune, as users run it: `python -m benchmarks llm [--quick] [--compare DIR]`.
+
+A randomly initialised Hugging Face `LlamaForCausalLM` (GQA, SwiGLU, RoPE; hidden 256, MLP 688, 4 heads with
+2 KV heads, vocab 4096), bf16 autocast, one sequence whose last quarter is padding (attention mask 0, labels
+-100), the step `model(input_ids, attention_mask, labels).loss.backward()`. Two workloads:
+
+- llama-lora: LoRA r=8 on the q/v/up/down projections (PEFT), B initialised nonzero (as after some training:
+  with PEFT's zero B every gradient of A is exactly zero and its error says nothing);
+- llama-full: every parameter trained; its table adds the peak less the parameter gradients' bytes (which no
+  checkpointing removes).
+
+Rows, measured in the same process on the same weights and batch: plain; HF gradient checkpointing (torch's
+non-reentrant checkpoint: the reference of the 'x HF GC' columns); HF GC with torch's selective checkpointing
+(matmul and attention outputs saved); HF GC with a chunked loss written here (the head and cross entropy
+over token chunks, each chunk checkpointed: what a user can do without fastckpt); fastckpt's policies, without
+and with its loss head (`fastckpt.integrations.hf.enable(..., loss_head=True)`); and a plan
+(`fastckpt.plan` at a third of HF GC's peak, loss head on). Gradient error: relative L2 over all trained
+parameters' gradients against plain fp32 (no autocast), same weights and batch; 'x bf16' divides it by plain
+bf16 autocast's own.
+
+Then the scaling figure: the peak against sequence length and depth for plain, HF GC and fastckpt's best,
+with the fitted bytes per token per layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+
+from benchmarks.harness import error_line, median_times, peak_bytes, write_csv
+from fastckpt import hybrid
+
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 256, 688, 4, 2, 4096
+LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
+# (layers, tokens, warm-up steps, timed rounds) per size; scaling: (lengths at SCALING_DEPTH, depths at 1024)
+SIZES = {"full": (16, 1024, 1, 5), "quick": (8, 1024, 0, 3), "smoke": (2, 64, 0, 1)}
+SCALING = {"full": ((512, 1024, 2048, 4096), (8, 16, 24, 32)), "quick": ((512, 1024, 2048), (8, 16)),
+           "smoke": ((32, 64), (1, 2))}  # fmt: skip
+SCALING_DEPTH = {"full": 16, "quick": 8, "smoke": 2}
+SCALING_TOKENS = {"full": 1024, "quick": 1024, "smoke": 64}
+LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this many token chunks
+HF_GC = "HF GC"
+PLAIN = "plain"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One configuration: `prepare(model)` sets it up on a fresh copy; `loss(model, batch)` runs the forward."""
+
+    name: str
+    prepare: Callable[[torch.nn.Module], None]
+    loss: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None
+
+
+def hf_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    return model(**batch, use_cache=False).loss
+
+
+def chunked_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The reference a user writes without fastckpt: the decoder's hidden states, then the head and the
+    cross entropy per token chunk, each chunk checkpointed so that only one chunk's logits are alive."""
+    causal_lm = _causal_lm(model)
+    hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    hidden = hidden.last_hidden_state[:, :-1].reshape(-1, HIDDEN)
+    labels = batch["labels"][:, 1:].reshape(-1)
+    count = (labels != -100).sum()
+
+    def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = causal_lm.lm_head(h).float()
+        return torch.nn.functional.cross_entropy(logits, y, ignore_index=-100, reduction="sum")
+
+    total = sum(
+        torch_checkpoint.checkpoint(chunk_loss, h, y, use_reentrant=False)
+        for h, y in zip(hidden.chunk(LOSS_CHUNKS), labels.chunk(LOSS_CHUNKS), strict=True)
+    )
+    return total / count
+
+
+def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def _hf_gc(model: torch.nn.Module, **kwargs) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **kwargs})
+
+
+def _fastckpt(policy: str, loss_head: bool) -> Callable[[torch.nn.Module], None]:
+    from fastckpt.integrations import hf
+
+    return functools.partial(hf.enable, policy=policy, loss_head=loss_head)
+
+
+def _sac(model: torch.nn.Module) -> None:
+    ops = [packet.default for packet in hybrid.default_save_ops()]
+    _hf_gc(model, context_fn=functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, ops))
+
+
+POLICIES = ("recompute+int8", "recompute:int8+int8", "recompute+int4")
+
+
+def rows() -> list[Row]:
+    found = [
+        Row(PLAIN, lambda model: None),
+        Row(HF_GC, _hf_gc),
+        Row("HF GC + torch SAC", _sac),
+        Row("HF GC + chunked loss", _hf_gc, chunked_loss),
+    ]
+    for policy in POLICIES:
+        found.append(Row(f"fastckpt {policy}", lambda model, p=policy: _fastckpt(p, False)(model)))
+    for policy in ("recompute", *POLICIES):
+        found.append(Row(f"fastckpt {policy} + loss head", lambda model, p=policy: _fastckpt(p, True)(model)))
+    return found
+
+
+def build(lora: bool, layers: int, tokens: int, device: torch.device) -> tuple[torch.nn.Module, dict]:
+    """The model (seeded) and its padded batch."""
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, vocab_size=VOCAB, max_position_embeddings=tokens, pad_token_id=0,
+        attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    if lora:
+        adapters = peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
+        model = peft.get_peft_model(model, adapters)
+    model.to(device).train()
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, VOCAB, (1, tokens), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[:, tokens - tokens // 4 :] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    return model, {key: value.to(device) for key, value in batch.items()}
+
+
+def _step(model: torch.nn.Module, batch: dict, loss: Callable, autocast: bool = True) -> None:
+    device = batch["input_ids"].device.type
+    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+        value = loss(model, batch)
+    value.backward()
+
+
+def _gradients(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.grad.detach().float().clone() for p in model.parameters() if p.requires_grad]
+
+
+def relative_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """Relative L2 error of all gradients together."""
+    num = sum(float((a - b).pow(2).sum()) for a, b in zip(got, reference, strict=True))
+    return (num / sum(float(b.pow(2).sum()) for b in reference)) ** 0.5
+
+
+def _trained_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+
+
+def run_workload(lora: bool, size: str, device: torch.device) -> list[dict]:
+    layers, tokens, warmup, rounds = SIZES[size]
+    base, batch = build(lora, layers, tokens, device)
+    reference_model = copy.deepcopy(base)
+    _step(reference_model, batch, hf_loss, autocast=False)
+    reference = _gradients(reference_model)
+    del reference_model
+    models, losses, failed = {}, {}, {}
+    for row in rows():
+        try:
+            model = copy.deepcopy(base)
+            row.prepare(model)
+            models[row.name], losses[row.name] = model, row.loss or hf_loss
+            _step(model, batch, losses[row.name])  # the trial step
+            model.zero_grad(set_to_none=True)
+        except Exception as err:  # reported in the table; the others go on
+            failed[row.name] = error_line(err)
+            models.pop(row.name, None)
+
+    def timed(name: str) -> Callable[[], None]:
+        def step() -> None:
+            _step(models[name], batch, losses[name])
+            models[name].zero_grad(set_to_none=True)
+
+        return step
+
+    results = {}
+    for name in models:
+        step = timed(name)
+        peak = peak_bytes(step, device)
+        _step(models[name], batch, losses[name])
+        error = relative_error(_gradients(models[name]), reference)
+        models[name].zero_grad(set_to_none=True)
+        results[name] = {"peak": peak, "error": error}
+    times, timing_failed = median_times({name: timed(name) for name in models}, device, warmup, rounds)
+    failed.update(timing_failed)
+    return _table(lora, layers, tokens, results, times, failed, _trained_bytes(base))
+
+
+def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[dict]:
+    name = "llama-lora" if lora else "llama-full"
+    gc, plain = results[HF_GC], results[PLAIN]
+    print(f"\n== {name}: {layers} layers, 1 x {tokens} tokens (last quarter padding), bf16 autocast, "
+          f"{'LoRA r=8 on ' + '/'.join(LORA_TARGETS) if lora else 'full fine-tune'}")  # fmt: skip
+    header = f"{'config':<36}{'peak MiB':>10}{'x HF GC':>9}{'ms/step':>10}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}"
+    if not lora:
+        header += f"{'peak-grads MiB':>16}{'x HF GC':>9}"
+    print(header)
+    table = []
+    for config, r in results.items():
+        row = {
+            "workload": name, "config": config, "layers": layers, "tokens": tokens,
+            "peak_MiB": r["peak"] / 2**20, "peak_x_hf_gc": r["peak"] / gc["peak"],
+            "ms_per_step": times[config] * 1e3 if config in times else None,
+            "time_x_hf_gc": times[config] / times[HF_GC] if config in times and HF_GC in times else None,
+            "grad_rel_l2": r["error"], "error_x_bf16": r["error"] / plain["error"],
+        }  # fmt: skip
+        if not lora:
+            less = r["peak"] - trained_bytes
+            row["peak_less_grads_MiB"] = less / 2**20
+            row["less_grads_x_hf_gc"] = less / (gc["peak"] - trained_bytes)
+        table.append(row)
+        line = (f"{config:<36}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
+                f"{_fmt(row['ms_per_step'], '.0f'):>10}{_fmt(row['time_x_hf_gc'], '.3f'):>9}"
+                f"{row['grad_rel_l2']:>10.2e}{row['error_x_bf16']:>8.2f}")  # fmt: skip
+        if not lora:
+            line += f"{row['peak_less_grads_MiB']:>16.1f}{row['less_grads_x_hf_gc']:>9.3f}"
+        print(line, flush=True)
+    for config, error in failed.items():
+        print(f"{config:<36}FAILED: {error}")
+    return table
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
+
+
+def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
+    """Peak of plain, HF GC and fastckpt's best (recompute+int8 with the loss head) against tokens and depth
+    (llama-lora), and the fitted bytes per token per layer."""
+    lengths, depths = SCALING[size]
+    best = "fastckpt recompute+int8 + loss head"
+    configs = {PLAIN: lambda m: None, HF_GC: _hf_gc, best: _fastckpt("recompute+int8", True)}
+    points = []
+    for axis, values in (("tokens", lengths), ("layers", depths)):
+        for value in values:
+            layers = value if axis == "layers" else SCALING_DEPTH[size]
+            tokens = value if axis == "tokens" else SCALING_TOKENS[size]
+            base, batch = build(True, layers, tokens, device)
+            for config, prepare in configs.items():
+                model = copy.deepcopy(base)
+                prepare(model)
+
+                def step(model=model, batch=batch) -> None:
+                    _step(model, batch, hf_loss)
+                    model.zero_grad(set_to_none=True)
+
+                step()
+                points.append({"axis": axis, "config": config, "layers": layers, "tokens": tokens,
+                               "peak_MiB": peak_bytes(step, device) / 2**20})  # fmt: skip
+    print(f"\n== scaling (llama-lora): peak MiB vs tokens at {SCALING_DEPTH[size]} layers and vs layers at "
+          f"{SCALING_TOKENS[size]} tokens")  # fmt: skip
+    columns = "".join(f"{'T=' + str(v):>9}" for v in lengths) + "".join(f"{'L=' + str(v):>8}" for v in depths)
+    print(f"{'config':<40}{columns}{'B/token/layer':>15}{'B/token':>10}")
+    fits = []
+    for config in configs:
+        by_tokens = [p for p in points if p["config"] == config and p["axis"] == "tokens"]
+        by_layers = [p for p in points if p["config"] == config and p["axis"] == "layers"]
+        per_layer = _slope([p["layers"] for p in by_layers], [p["peak_MiB"] * 2**20 for p in by_layers])
+        per_token = _slope([p["tokens"] for p in by_tokens], [p["peak_MiB"] * 2**20 for p in by_tokens])
+        per_token_layer = per_layer / SCALING_TOKENS[size]
+        fits.append({"config": config, "bytes_per_token_per_layer": per_token_layer, "bytes_per_token": per_token})
+        cells = "".join(f"{p['peak_MiB']:>9.1f}" for p in by_tokens)
+        cells += "".join(f"{p['peak_MiB']:>8.1f}" for p in by_layers)
+        print(f"{config:<40}{cells}{per_token_layer:>15.0f}{per_token:>10.0f}")
+    if out:
+        write_csv(points, out, "llm_scaling.csv")
+        _plot(points, os.path.join(out, "llm_scaling.png"))
+    return fits
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys against xs."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+def _plot(points: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, axis, label in ((axes[0], "tokens", "sequence length (tokens)"), (axes[1], "layers", "decoder layers")):
+        for config in dict.fromkeys(p["config"] for p in points):
+            series = [p for p in points if p["config"] == config and p["axis"] == axis]
+            ax.plot([p[axis] for p in series], [p["peak_MiB"] for p in series], marker="o", label=config)
+        ax.set_xlabel(label)
+        ax.set_ylabel("whole-step peak (MiB)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.suptitle("Llama LoRA step, bf16 autocast: peak memory")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    print(f"wrote {path}")
+
+
+def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False) -> list[dict]:
+    size = "smoke" if smoke else "quick" if quick else "full"
+    dev = torch.device(device)
+    table = run_workload(True, size, dev) + run_workload(False, size, dev)
+    if out:
+        write_csv(table, out, "llm.csv")
+    scaling(size, dev, out)
+    return table
