@@ -30,6 +30,7 @@ from fastckpt.engine.flat_tree import FlatTree
 from fastckpt.engine.options import CheckpointOptions
 from fastckpt.engine.replay import ForwardState
 from fastckpt.storage.packer import SegmentStorage, _Stored
+from fastckpt.storage.roles import ParameterCast
 
 DETERMINISM_CHECKS: dict[str, Callable[[torch.Tensor], Any]] = {
     "default": lambda x: {"shape": x.shape, "dtype": x.dtype, "device": x.device},
@@ -227,7 +228,8 @@ def _forward_hooks(frame: _Frame) -> _InternalHooks:
             args, kwargs = frame.inputs()
             storage = frame.recompute_storage() if frame.recompute_storage is not None else None
             try:
-                with _recompute_hooks(frame, gid, storage), torch.enable_grad():
+                watching = storage.watching() if storage is not None else contextlib.nullcontext()
+                with _recompute_hooks(frame, gid, storage), torch.enable_grad(), watching:
                     frame.recompute_fn(*args, **kwargs)
             except _StopRecompute:
                 pass
@@ -295,7 +297,7 @@ def _recompute_hooks(frame: _Frame, gid: Any, storage: SegmentStorage | None = N
     def unpack(packed: Any) -> torch.Tensor:
         # Reached only by a backward run inside the recomputation itself (torch.autograd.grad in the
         # segment): it gets the stored tensors decoded.
-        if not isinstance(packed, _Stored):
+        if not isinstance(packed, (_Stored, ParameterCast)):
             return packed
         with _disable_current_modes():
             return storage.unpack(packed)

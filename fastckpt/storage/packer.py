@@ -4,19 +4,22 @@ Every tensor autograd saves inside the segment comes through `pack`. Tensors tha
 anyway or not worth storing differently (parameters, small, integer, sparse, subclasses) are
 kept as they are; the rest are stored through the policy's codec (exactly, at 1 bit per element, when a
 float tensor holds at most two values) and/or moved to host memory.
-The same tensor saved by several ops is stored once.
+The same tensor saved by several ops is stored once. Under autocast, a low-precision copy of a parameter
+is kept as a reference to the parameter and cast again in backward (fastckpt.storage.roles).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 import weakref
+from collections.abc import Iterator
 
 import torch
 
 from fastckpt.policies import Policy
-from fastckpt.storage import codecs, offload
+from fastckpt.storage import codecs, offload, roles
 from fastckpt.storage.accounting import SegmentRecord, nbytes, register
 
 _STORABLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -99,16 +102,31 @@ class SegmentStorage:
         self._stored_by_key: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._offload_group: offload.OffloadGroup | None = None  # this segment's host copies (prefetched together)
         self._backward_started = False
+        self._watch = roles.ParameterWatch()
         register(self.record)
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        """The saved-tensor-hooks context that routes the segment's saved tensors through this storage."""
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        """The context that routes the segment's saved tensors through this storage."""
+        watch = self._watch if roles.autocast_enabled() else contextlib.nullcontext()  # no autocast: no casts
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), watch:
+            yield
 
-    def pack(self, t: torch.Tensor) -> _Stored:
+    def watching(self) -> roles.ParameterWatch:
+        """The context in which `pack` recognises casts of parameters, for an engine that packs into this
+        storage itself: around a recomputation (which turns the forward's autocast back on inside)."""
+        return self._watch
+
+    def pack(self, t: torch.Tensor) -> _Stored | roles.ParameterCast:
         start = time.perf_counter()
         record = self.record
         record.tensors += 1
+        cast = self._watch.cast_of(t)
+        if cast is not None:  # what autograd would keep, held by the parameter instead
+            record.count_raw(t)
+            record.codecs.add("parameter-cast")
+            record.pack_seconds += time.perf_counter() - start
+            return cast
         policy = self.policy.for_tensor(t)
         reason = keep_plain_reason(t, policy)
         if reason is not None:
@@ -147,7 +165,9 @@ class SegmentStorage:
         self.record.count_kept(tensors)
         return _Stored(encoded, tensors, False, None if encoded else t._version)
 
-    def unpack(self, stored: _Stored) -> torch.Tensor:
+    def unpack(self, stored: _Stored | roles.ParameterCast) -> torch.Tensor:
+        if isinstance(stored, roles.ParameterCast):
+            return stored.value()
         stored.check_version(self.record.policy)
         start = time.perf_counter()
         register(self.record)
