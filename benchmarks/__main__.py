@@ -1,4 +1,4 @@
-"""`python -m benchmarks [checkpoint|planner|compile|ops|train|offload] [--device cpu|cuda] [--out DIR] [--quick]`.
+"""`python -m benchmarks [checkpoint|llm|planner|compile|ops|train|offload] [--device cpu|cuda] [--out DIR] [--quick]`.
 
 checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
   reentrant, selective), torch's save_on_cpu and DeepSpeed's checkpoint, on the seed CNN, GPT-2-style
@@ -6,8 +6,12 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   workload in --out (default bench-results/<timestamp>/). Then the planner section: fastckpt.plan at
   100/70/50/30% of stock checkpoint's peak on a long-context stack and the GPT-2 stack (its table goes to
   results.md too). Then the compile section: torch.compile of the GPT-2 stack, plain, with torch's checkpoint
-  and with fastckpt's policies (fastckpt.compile). --workloads picks some (of the workloads, 'planner' and
-  'compile'), --smoke runs tiny shapes once (checks that every row runs; its numbers mean nothing).
+  and with fastckpt's policies (fastckpt.compile). Then the llm section: the whole step of a bf16 Llama
+  fine-tune (LoRA and full) against HF gradient checkpointing, and the peak's scaling with length and depth.
+  --workloads picks some (of the workloads, 'planner', 'compile' and 'llm'), --smoke runs tiny shapes once
+  (checks that every row runs; its numbers mean nothing). --compare DIR prints every row's measured columns
+  as new / old against an earlier results folder.
+llm: the llm section alone (as `python -m benchmarks.llm`).
 planner: the planner section alone (as `python -m benchmarks.planner`).
 compile: the compile section alone (as `python -m benchmarks.compiled`).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).
@@ -28,6 +32,7 @@ from benchmarks.workloads import WORKLOAD_NAMES  # noqa: E402
 
 MODES = {
     "checkpoint": "benchmarks.checkpoint",
+    "llm": "benchmarks.llm",
     "planner": "benchmarks.planner",
     "compile": "benchmarks.compiled",
     "ops": "benchmarks.ops",
@@ -36,7 +41,8 @@ MODES = {
 }
 PLANNER = "planner"  # the planner section of the checkpoint benchmark, selectable like a workload
 COMPILE = "compile"  # the torch.compile section, likewise
-SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE)
+LLM = "llm"  # the whole-step LLM section, likewise
+SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE, LLM)
 
 
 def _workload_list(text: str) -> list[str]:
@@ -70,12 +76,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME[,NAME...]",
         help=f"checkpoint only: which workloads, of {', '.join(SECTIONS)} (default: all)",
     )
-    parser.add_argument("--smoke", action="store_true", help="checkpoint only: tiny shapes, one round")
+    parser.add_argument("--smoke", action="store_true", help="checkpoint and llm: tiny shapes, one round")
+    parser.add_argument("--compare", metavar="DIR", help="an earlier results folder: print each row as new / old")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
-    if args.mode != "checkpoint" and (args.workloads or args.smoke):
-        parser.error(f"--workloads and --smoke apply to the checkpoint benchmark, not to {args.mode!r}")
+    if args.mode != "checkpoint" and args.workloads:
+        parser.error(f"--workloads applies to the checkpoint benchmark, not to {args.mode!r}")
+    if args.smoke and args.mode not in ("checkpoint", "llm"):
+        parser.error(f"--smoke applies to the checkpoint and llm benchmarks, not to {args.mode!r}")
+    if args.compare is not None and not os.path.isdir(args.compare):
+        parser.error(f"--compare {args.compare!r} is not a results folder")
     if args.quick and args.smoke:
         parser.error("--quick and --smoke exclude each other (--smoke is the smaller)")
     if args.out is not None and os.path.exists(args.out) and not os.path.isdir(args.out):
@@ -87,11 +98,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    if args.compare is not None and args.out is None:
+        args.out = importlib.import_module(MODES["checkpoint"]).default_out()  # somewhere to compare from
+    rows = _run(args)
+    if args.compare is not None:
+        importlib.import_module("benchmarks.compare").compare(args.out, args.compare)
+    return rows
+
+
+def _run(args: argparse.Namespace) -> list[dict]:
     module = importlib.import_module(MODES[args.mode])
+    if args.mode == "llm":
+        return module.main(device=args.device, out=args.out, quick=args.quick, smoke=args.smoke)
     if args.mode != "checkpoint":
         return module.main(device=args.device, out=args.out, quick=args.quick)
     selected = args.workloads or list(SECTIONS)
-    workload_names = [name for name in selected if name not in (PLANNER, COMPILE)]
+    workload_names = [name for name in selected if name not in (PLANNER, COMPILE, LLM)]
     out = args.out or module.default_out()
     rows: list[dict] = []
     failed: SystemExit | None = None
@@ -114,6 +136,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if broken and failed is None:
             failed = SystemExit(f"{broken} configuration(s) of the compile section failed; see its table")
         rows += compile_rows
+    if LLM in selected:
+        llm = importlib.import_module(MODES[LLM])
+        print(f"\n== {LLM}: the whole step of a bf16 Llama fine-tune", flush=True)
+        rows += llm.main(args.device, out, quick=args.quick, smoke=args.smoke)
     if failed is not None:
         raise failed
     return rows

@@ -163,7 +163,8 @@ def _trained_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
-def run_workload(lora: bool, size: str, device: torch.device) -> list[dict]:
+def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict], dict[str, str]]:
+    """The table of one workload (LoRA or full fine-tune), and the rows that failed."""
     layers, tokens, warmup, rounds = SIZES[size]
     base, batch = build(lora, layers, tokens, device)
     reference_model = copy.deepcopy(base)
@@ -199,7 +200,7 @@ def run_workload(lora: bool, size: str, device: torch.device) -> list[dict]:
         results[name] = {"peak": peak, "error": error}
     times, timing_failed = median_times({name: timed(name) for name in models}, device, warmup, rounds)
     failed.update(timing_failed)
-    return _table(lora, layers, tokens, results, times, failed, _trained_bytes(base))
+    return _table(lora, layers, tokens, results, times, failed, _trained_bytes(base)), failed
 
 
 def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[dict]:
@@ -315,8 +316,12 @@ def _plot(points: list[dict], path: str) -> None:
 def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False) -> list[dict]:
     size = "smoke" if smoke else "quick" if quick else "full"
     dev = torch.device(device)
-    table = run_workload(True, size, dev) + run_workload(False, size, dev)
+    lora, lora_failed = run_workload(True, size, dev)
+    full, full_failed = run_workload(False, size, dev)
     if out:
-        write_csv(table, out, "llm.csv")
+        write_csv(lora + full, out, "llm.csv")
     scaling(size, dev, out)
-    return table
+    failed = {**lora_failed, **full_failed}
+    if failed:
+        raise SystemExit(f"{len(failed)} configuration(s) of the llm section failed; see its tables")
+    return lora + full
