@@ -4,6 +4,10 @@ A small character-level GPT learns Python source text (the standard library's ow
 from this interpreter's installation, so it needs no download). Every configuration starts from
 the same initial weights and sees the same batches; the report is the final training loss (mean
 of the last steps) and the held-out loss, each against plain training.
+
+Then the LLM job: LoRA (PEFT, r=8 on q/v/up/down) on a small Hugging Face Llama over the same text, bf16
+autocast, 300 AdamW steps, plain bf16 against HF gradient checkpointing and fastckpt's whole-step
+configurations (a policy with the loss head): the final loss of each against plain bf16's.
 """
 
 from __future__ import annotations
@@ -134,8 +138,71 @@ def train(
             "seconds": seconds, "note": note}  # fmt: skip
 
 
+LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
+# The LoRA job's configurations: None is plain bf16, "HF GC" HF's checkpointing, else (policy, loss head).
+LORA_CONFIGS = {
+    "plain bf16": None,
+    "HF GC": "HF GC",
+    "fastckpt recompute+int8 + loss head": ("recompute+int8", True),
+    "fastckpt recompute:int8+int8 + loss head": ("recompute:int8+int8", True),
+}
+
+
+def train_lora(name: str, data: torch.Tensor, val: list[torch.Tensor], steps: int, device: torch.device) -> dict:
+    """LoRA on a small random-init Llama over the byte text, bf16 autocast; the same weights and batches for all."""
+    import peft
+    import transformers
+
+    from fastckpt.integrations import hf
+
+    layers, hidden, seq, batch = (4, 256, 256, 16) if device.type == "cuda" else (4, 128, 128, 8)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq + 1, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    adapters = peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    model = peft.get_peft_model(transformers.LlamaForCausalLM(config), adapters).to(device).train()
+    setting = LORA_CONFIGS[name]
+    if setting == "HF GC":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif setting is not None:
+        policy, loss_head = setting
+        hf.enable(model, policy=policy, loss_head=loss_head)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    start = time.perf_counter()
+    for tokens in batches(data, steps, batch, seq, seed=1):
+        tokens = tokens.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens, use_cache=False).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    seconds = time.perf_counter() - start
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        val_loss = sum(model(input_ids=t.to(device), labels=t.to(device)).loss.item() for t in val) / len(val)
+    tail = losses[-max(steps // 10, 1) :]
+    return {"policy": name, "final_train_loss": sum(tail) / len(tail), "val_loss": val_loss, "seconds": seconds,
+            "note": ""}  # fmt: skip
+
+
+def _print_losses(rows: list[dict], width: int) -> None:
+    plain = rows[0]
+    print(f"{'configuration':<{width}}{'train loss':>12}{'vs plain':>10}{'val loss':>10}{'vs plain':>10}{'seconds':>9}")
+    for r in rows:
+        r["train_vs_plain"] = r["final_train_loss"] / plain["final_train_loss"] - 1
+        r["val_vs_plain"] = r["val_loss"] / plain["val_loss"] - 1
+        print(
+            f"{r['policy']:<{width}}{r['final_train_loss']:>12.4f}{r['train_vs_plain']:>+10.2%}"
+            f"{r['val_loss']:>10.4f}{r['val_vs_plain']:>+10.2%}{r['seconds']:>9.1f}"
+        )
+
+
 def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
-    """Train once per policy; print final losses against plain training."""
+    """Train once per policy, then the LoRA job once per configuration; print final losses against plain."""
     dev = torch.device(device)
     text = corpus(dev)
     split = int(len(text) * 0.9)
@@ -150,17 +217,19 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
             if not rows:
                 raise
             failed[str(policy)] = error_line(err)
-    plain = rows[0]
     print(f"char-level GPT on {len(text) / 1e6:.2f} MB of Python stdlib source, {steps} AdamW steps, device {device}")
-    print(f"{'policy':<12}{'train loss':>12}{'vs plain':>10}{'val loss':>10}{'vs plain':>10}{'seconds':>9}")
-    for r in rows:
-        r["train_vs_plain"] = r["final_train_loss"] / plain["final_train_loss"] - 1
-        r["val_vs_plain"] = r["val_loss"] / plain["val_loss"] - 1
-        print(
-            f"{r['policy']:<12}{r['final_train_loss']:>12.4f}{r['train_vs_plain']:>+10.2%}"
-            f"{r['val_loss']:>10.4f}{r['val_vs_plain']:>+10.2%}{r['seconds']:>9.1f}"
-        )
+    _print_losses(rows, 12)
     for r in rows:
         if r["note"]:
             print(r["note"])
-    return finish(rows, failed, 12, out, f"train_{dev.type}.csv")
+    lora_rows = []
+    for name in LORA_CONFIGS:
+        try:
+            lora_rows.append(train_lora(name, text[:split], val, steps, dev))
+        except Exception as err:  # reported below; plain bf16 failing stops the benchmark
+            if not lora_rows:
+                raise
+            failed[name] = error_line(err)
+    print(f"\nLoRA r=8 on a 4-layer random-init Llama over the same text, bf16 autocast, {steps} AdamW steps")
+    _print_losses(lora_rows, 44)
+    return finish(rows + lora_rows, failed, 44, out, f"train_{dev.type}.csv")
