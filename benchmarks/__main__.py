@@ -1,4 +1,5 @@
-"""`python -m benchmarks [checkpoint|llm|planner|compile|ops|train|offload] [--device cpu|cuda] [--out DIR] [--quick]`.
+"""`python -m benchmarks [checkpoint|llm|planner|compile|ops|train|offload|loss] [--device cpu|cuda] [--out DIR]
+[--quick]`.
 
 checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
   reentrant, selective), torch's save_on_cpu and DeepSpeed's checkpoint, on the seed CNN, GPT-2-style
@@ -17,6 +18,7 @@ compile: the compile section alone (as `python -m benchmarks.compiled`).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).
 train: final loss of a small GPT trained on real text, per storage policy, against plain training.
 offload (CUDA): how much of the offload engine's copying the step hides, and its bandwidth vs the link's.
+loss: the causal-LM loss head, plain head + cross entropy vs chunked recompute vs fastckpt.linear_cross_entropy.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ MODES = {
     "ops": "benchmarks.ops",
     "train": "benchmarks.train",
     "offload": "benchmarks.offload",
+    "loss": "benchmarks.loss_head",
 }
 PLANNER = "planner"  # the planner section of the checkpoint benchmark, selectable like a workload
 COMPILE = "compile"  # the torch.compile section, likewise

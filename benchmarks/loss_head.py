@@ -1,0 +1,144 @@
+"""`python -m benchmarks loss [--device cpu|cuda] [--out DIR] [--quick]`: the causal-LM loss head.
+
+One step: forward and backward of the loss of hidden states [tokens, hidden] (fp32, requiring grad)
+through an fp32 head weight [vocab, hidden] under bf16 autocast, Llama-like shapes. Rows:
+
+- plain: `F.cross_entropy(F.linear(hidden, weight).float(), labels)`, what Hugging Face's ForCausalLMLoss
+  does: full logits, their fp32 upcast, the log-softmax autograd keeps and their gradients;
+- chunked recompute: the tokens in chunks, each chunk's head + cross entropy under torch's checkpoint (its
+  logits recomputed in backward), the same chunk size as fastckpt's;
+- fastckpt fused: `fastckpt.linear_cross_entropy`, the gradients computed chunk by chunk in the forward.
+
+Per shape and row: the step's peak bytes above what was live before it (benchmarks.harness.peak_bytes:
+the CPU profiler's allocation records, or max_memory_allocated on CUDA), the median step time over
+interleaved rounds, each as x plain, and the largest relative L2 error of the loss and the two gradients
+against plain (bf16 rounding: ~1e-3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import fastckpt
+from benchmarks.harness import median_times, peak_bytes, write_csv
+from fastckpt.loss import default_chunk_size
+
+SHAPES = ((2048, 256, 4096), (2048, 256, 32000))  # (tokens, hidden, vocab)
+QUICK_SHAPES = ((1024, 256, 4096), (1024, 256, 32000))
+PLAIN, RECOMPUTE, FUSED = "plain", "chunked recompute", "fastckpt fused"
+
+
+def plain(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels)
+
+
+def _summed(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, weight).float(), labels, reduction="sum")
+
+
+def chunked_recompute(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> torch.Tensor:
+    """The other way to keep one chunk of logits: each chunk checkpointed, recomputed in backward."""
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in range(0, hidden.shape[0], chunk):
+        stop = start + chunk
+        total = total + checkpoint(_summed, hidden[start:stop], weight, labels[start:stop], use_reentrant=False)
+    return total / (labels != -100).sum()
+
+
+def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
+    value, reference = value.double(), reference.double()
+    return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
+
+
+def _measure_shape(tokens: int, hidden_size: int, vocab: int, device: torch.device, warmup: int, rounds: int):
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=generator).to(device).requires_grad_()
+    weight = (torch.randn(vocab, hidden_size, generator=generator) * hidden_size**-0.5).to(device).requires_grad_()
+    labels = torch.randint(0, vocab, (tokens,), generator=generator).to(device)
+    labels[::8] = -100  # some ignored tokens (padding, prompts)
+    chunk = default_chunk_size(vocab, hidden_size, weight_grad=True)
+    losses = {
+        PLAIN: lambda: plain(hidden, weight, labels),
+        RECOMPUTE: lambda: chunked_recompute(hidden, weight, labels, chunk),
+        FUSED: lambda: fastckpt.linear_cross_entropy(hidden, weight, labels),
+    }
+
+    def step(name: str) -> tuple[torch.Tensor, ...]:
+        hidden.grad = weight.grad = None
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = losses[name]()
+        loss.backward()
+        return loss.detach(), hidden.grad, weight.grad
+
+    results = {name: step(name) for name in losses}  # also the warm-up
+    steps = {name: (lambda name=name: step(name)) for name in losses}
+    times, failed = median_times(steps, device, warmup=warmup, rounds=rounds)
+    if failed:
+        raise RuntimeError(f"benchmarks loss: {failed}")
+    peaks = {name: peak_bytes(steps[name], device) for name in losses}
+    rows = []
+    for name in losses:
+        error = max(_relative_error(a, b) for a, b in zip(results[name], results[PLAIN], strict=True))
+        rows.append(
+            {
+                "shape": f"{tokens}x{hidden_size}x{vocab}",
+                "config": name,
+                "chunk": "" if name == PLAIN else chunk,
+                "peak_mib": round(peaks[name] / 2**20, 1),
+                "peak_x_plain": round(peaks[name] / peaks[PLAIN], 3),
+                "time_ms": round(times[name] * 1e3, 1),
+                "time_x_plain": round(times[name] / times[PLAIN], 3),
+                "max_error": f"{error:.1e}",
+                "device": device.type,
+                "threads": torch.get_num_threads(),
+            }
+        )
+    return rows
+
+
+def measure(shapes=SHAPES, device: torch.device | str = "cpu", warmup: int = 1, rounds: int = 3) -> list[dict]:
+    """One row per (shape, configuration); shapes are (tokens, hidden, vocab)."""
+    rows = []
+    for tokens, hidden_size, vocab in shapes:
+        rows += _measure_shape(tokens, hidden_size, vocab, torch.device(device), warmup, rounds)
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    header = f"{'shape (tokens x hidden x vocab)':<32}{'config':<20}{'chunk':>6}{'peak MiB':>10}{'x plain':>9}"
+    header += f"{'step ms':>10}{'x plain':>9}{'max error':>11}"
+    lines = [header]
+    for r in rows:
+        lines.append(
+            f"{r['shape']:<32}{r['config']:<20}{r['chunk']!s:>6}{r['peak_mib']:>10.1f}{r['peak_x_plain']:>9.3f}"
+            f"{r['time_ms']:>10.1f}{r['time_x_plain']:>9.3f}{r['max_error']:>11}"
+        )
+    return "\n".join(lines)
+
+
+def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
+    print(
+        f"== loss head: plain head + cross entropy vs chunked recompute vs fastckpt.linear_cross_entropy "
+        f"({device}, bf16 autocast, {torch.get_num_threads()} threads)",
+        flush=True,
+    )
+    rows = measure(QUICK_SHAPES if quick else SHAPES, device, warmup=0, rounds=2 if quick else 3)
+    print(table(rows))
+    if out:
+        write_csv(rows, out, "loss_head.csv")
+    return rows
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.loss_head")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+    main(args.device, args.out, args.quick)

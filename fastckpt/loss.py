@@ -1,0 +1,370 @@
+"""`fastckpt.linear_cross_entropy`: the causal-LM loss head without the full logits.
+
+`cross_entropy(hidden @ weight.T + bias, labels)` materialises tokens x vocab logits, in a Hugging Face
+fine-tune three times over (the head's output, its fp32 upcast, the log-softmax autograd keeps) plus their
+gradient: after activation checkpointing that is the peak of the step. Here the tokens go through the head
+a chunk at a time, and the gradients with respect to `hidden`, `weight` and `bias` are computed chunk by
+chunk in the forward itself (a fused linear cross entropy): at most one chunk's logits exist at a time,
+nothing is recomputed, and backward only scales the stored gradients by the loss's incoming gradient.
+
+The dtype flow is autograd's for `F.linear(hidden, weight, bias).float()` + `F.cross_entropy`, so results
+equal Hugging Face's `ForCausalLMLoss` up to summation order: the matmuls in the autocast dtype (or the
+inputs' dtype), the softmax in fp32, the logits gradient computed in fp32 and cast back to the logits dtype
+before the two gradient matmuls, the weight gradient accumulated over chunks in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_NAME = "fastckpt.linear_cross_entropy: "
+# The default chunk (default_chunk_size says why): fp32 logits of about CHUNK_BYTES, at least MIN_CHUNK tokens,
+# and when the weight gradient is computed at least hidden_size / 2 tokens; a multiple of CHUNK_MULTIPLE tokens.
+CHUNK_BYTES = 8 * 2**20
+MIN_CHUNK = 256
+CHUNK_MULTIPLE = 64
+
+
+def default_chunk_size(vocab_size: int, hidden_size: int = 0, weight_grad: bool = False) -> int:
+    """Tokens per chunk when `chunk_size` is not given.
+
+    About CHUNK_BYTES (8 MiB) of fp32 logits (512 tokens at vocab 4096), at least MIN_CHUNK (256) tokens
+    (32 MiB at vocab 32000, 128 MiB at 128256), and, when the weight gradient is computed, at least
+    hidden_size / 2 tokens. Measured on CPU (2048-4096 tokens, bf16 autocast, one thread): the fastest
+    chunks held 8-64 MiB of fp32 logits (vocab 4096: 128-512 tokens; 32000: 256-512); with a trained
+    weight, every chunk also adds its [vocab, hidden] weight-gradient product into the fp32 sum, so few
+    tokens per chunk cost extra (hidden 1024: +48% at 128 tokens, +19% at 256, within 2% of the best from
+    512 on; a frozen weight: flat). The 256-token floor keeps the head matmuls a usable shape and the
+    per-chunk calls few on a GPU (not measured there).
+    """
+    tokens = max(CHUNK_BYTES // (4 * max(1, vocab_size)), MIN_CHUNK, hidden_size // 2 if weight_grad else 0)
+    return -(-tokens // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
+
+
+@dataclass(frozen=True)
+class _Head:
+    """What every chunk needs besides its tokens."""
+
+    compute_dtype: torch.dtype
+    ignore_index: int
+    softcap: float | None
+    logit_scale: float | None
+    chunk_size: int
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    num_items_in_batch: torch.Tensor | int | None = None,
+    softcap: float | None = None,
+    logit_scale: float | None = None,
+    chunk_size: int | None = None,
+    shift_labels: bool = False,
+) -> torch.Tensor:
+    """The cross-entropy loss of the logits `hidden @ weight.T + bias` against `labels`, a chunk of tokens at a time.
+
+    `hidden` is `[..., H]` (e.g. `[B, T, H]`), `weight` `[V, H]` (an `nn.Linear`'s), `labels` integer
+    `hidden.shape[:-1]`; tokens labelled `ignore_index` count for nothing. The logits are multiplied by
+    `logit_scale` in their own dtype (Cohere, Granite), then upcast to fp32 and soft-capped to
+    `softcap * tanh(logits / softcap)` (Gemma 2/3). `reduction="mean"` divides the summed loss by the number
+    of non-ignored tokens (NaN when there is none, as torch's `cross_entropy`), or by `num_items_in_batch`
+    when given (Hugging Face Trainer's gradient-accumulation normaliser); `"sum"` does not divide.
+    `shift_labels=True` does Hugging Face's causal shift: each position predicts the next label (labels moved
+    left by one along the last dimension, `ignore_index` appended). `chunk_size` tokens go through the head
+    at a time (default: `default_chunk_size`). Returns an fp32 scalar.
+
+    Gradients reach `hidden`, `weight` and `bias` as far as they require them (a frozen weight costs no
+    weight-gradient work; a weight tied to an embedding accumulates both gradients); they are computed during
+    the forward when grad mode is on, so call it only for a loss you backpropagate. Under `torch.no_grad()`
+    only the loss is computed. One backward per forward: double backward and a second backward through the
+    same graph (`retain_graph=True`) raise.
+    """
+    head, hidden2d, labels1d, divisor = _check(
+        hidden,
+        weight,
+        labels,
+        bias,
+        ignore_index,
+        reduction,
+        num_items_in_batch,
+        softcap,
+        logit_scale,
+        chunk_size,
+        shift_labels,
+    )
+    wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden2d, weight, bias))
+    if not wants_grad:
+        with torch.autocast(hidden.device.type, enabled=False):
+            total = _loss_only(hidden2d, weight, bias, labels1d, head)
+        return total if divisor is None else total / divisor
+    return _LinearCrossEntropy.apply(hidden2d, weight, bias, labels1d, divisor, head)
+
+
+def _check(
+    hidden: Any,
+    weight: Any,
+    labels: Any,
+    bias: Any,
+    ignore_index: Any,
+    reduction: Any,
+    num_items_in_batch: Any,
+    softcap: Any,
+    logit_scale: Any,
+    chunk_size: Any,
+    shift_labels: Any,
+) -> tuple[_Head, torch.Tensor, torch.Tensor, torch.Tensor | int | None]:
+    """Validate the arguments; return the settings, hidden as [N, H], labels as [N] and the loss divisor."""
+    for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{_NAME}`{name}` must be a tensor, got {type(value).__name__}")
+    if hidden.dim() < 1 or not hidden.is_floating_point():
+        raise ValueError(
+            f"{_NAME}`hidden` must be a floating-point tensor [..., hidden_size], got {hidden.dtype} of shape "
+            f"{tuple(hidden.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"{_NAME}`weight` must be [vocab_size, hidden_size] with hidden_size = hidden.shape[-1] = "
+            f"{hidden.shape[-1]} (an nn.Linear's weight, not its transpose), got shape {tuple(weight.shape)}"
+        )
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"{_NAME}`labels` must hold integer class indices (e.g. torch.long), got {labels.dtype}")
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(
+            f"{_NAME}`labels` must have hidden's shape without its last dimension, {tuple(hidden.shape[:-1])}, got "
+            f"{tuple(labels.shape)}"
+        )
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"{_NAME}`bias` must be None or a tensor [vocab_size] = [{weight.shape[0]}], got {shape}")
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and value.device != hidden.device:
+            raise ValueError(
+                f"{_NAME}`{name}` is on {value.device} and `hidden` on {hidden.device}; move them to one device"
+            )
+    if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+        raise TypeError(f"{_NAME}`ignore_index` must be an int, got {ignore_index!r}")
+    if reduction not in ("mean", "sum"):
+        raise ValueError(
+            f"{_NAME}`reduction` must be 'mean' or 'sum', got {reduction!r} (per-token losses, 'none', would "
+            "need the full logits' gradient)"
+        )
+    if num_items_in_batch is not None and reduction != "mean":
+        raise ValueError(
+            f"{_NAME}`num_items_in_batch` is the divisor of reduction='mean'; with reduction='sum' leave it None"
+        )
+    if isinstance(num_items_in_batch, torch.Tensor) and num_items_in_batch.numel() != 1:
+        raise ValueError(
+            f"{_NAME}`num_items_in_batch` must be a number or a one-element tensor, got shape "
+            f"{tuple(num_items_in_batch.shape)}"
+        )
+    for name, value in (("softcap", softcap), ("logit_scale", logit_scale)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0
+        ):
+            raise ValueError(f"{_NAME}`{name}` must be None or a finite number > 0, got {value!r}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1):
+        raise ValueError(f"{_NAME}`chunk_size` must be None (the default) or an int >= 1, got {chunk_size!r}")
+    if not isinstance(shift_labels, bool):
+        raise TypeError(f"{_NAME}`shift_labels` must be a bool (HF's causal shift or none), got {shift_labels!r}")
+
+    compute_dtype = _compute_dtype(hidden, weight, bias)
+    if shift_labels and labels.dim() > 0:
+        labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    labels1d = labels.reshape(-1).to(hidden.device)
+    divisor: torch.Tensor | int | None = None
+    if num_items_in_batch is not None:
+        divisor = num_items_in_batch
+        if isinstance(divisor, torch.Tensor):
+            divisor = divisor.reshape(()).to(hidden.device)
+    elif reduction == "mean":
+        divisor = (labels1d != ignore_index).sum()
+    head = _Head(
+        compute_dtype=compute_dtype,
+        ignore_index=ignore_index,
+        softcap=None if softcap is None else float(softcap),
+        logit_scale=None if logit_scale is None else float(logit_scale),
+        chunk_size=chunk_size
+        or default_chunk_size(weight.shape[0], weight.shape[1], torch.is_grad_enabled() and weight.requires_grad),
+    )
+    return head, hidden.reshape(-1, hidden.shape[-1]), labels1d, divisor
+
+
+def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
+    """The head matmul's dtype: autocast's where it would cast (as for F.linear), else the inputs' common dtype."""
+    device = hidden.device.type
+    eligible = (torch.float32, torch.float16, torch.bfloat16)
+    tensors = [t for t in (hidden, weight, bias) if t is not None]
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+        if all(t.dtype in eligible for t in tensors):
+            return torch.get_autocast_dtype(device)
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1:
+        names = ", ".join(
+            f"{n} {t.dtype}"
+            for n, t in zip(("hidden", "weight", "bias"), (hidden, weight, bias), strict=True)
+            if t is not None
+        )
+        raise TypeError(
+            f"{_NAME}the head's inputs have different dtypes ({names}); cast them to one dtype, or run under "
+            "torch.autocast (which computes the head in its dtype)"
+        )
+    if not weight.is_floating_point():
+        raise TypeError(f"{_NAME}`weight` must be floating point, got {weight.dtype}")
+    return hidden.dtype
+
+
+def _chunks(n: int, size: int) -> range:
+    return range(0, n, size)
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: _Head) -> torch.Tensor:
+    """One chunk's logits in the compute dtype, scaled by logit_scale (a fresh tensor: callers may reuse it)."""
+    logits = hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)
+    if head.logit_scale is not None:
+        logits.mul_(head.logit_scale)
+    return logits
+
+
+def _loss_only(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, head: _Head
+) -> torch.Tensor:
+    """The summed loss, chunk by chunk, without gradients (fp32 scalar)."""
+    dtype = head.compute_dtype
+    weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+    total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    for start in _chunks(hidden.shape[0], head.chunk_size):
+        stop = start + head.chunk_size
+        logits = _logits(hidden[start:stop].to(dtype), weight, bias, head).float()
+        if head.softcap is not None:
+            logits = logits.div_(head.softcap).tanh_().mul_(head.softcap)
+        total += F.cross_entropy(logits, labels[start:stop], ignore_index=head.ignore_index, reduction="sum")
+    return total
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward: the summed loss (divided by the divisor) and, chunk by chunk, the gradients of the summed loss.
+    Backward: those gradients times grad_output / divisor, handed out once."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        divisor: torch.Tensor | int | None,
+        head: _Head,
+    ) -> torch.Tensor:
+        needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        with torch.autocast(hidden.device.type, enabled=False):
+            total, grads = _fused(hidden, weight, bias, labels, head, needs_hidden, needs_weight, needs_bias)
+        ctx.grads = grads
+        if divisor is None:
+            ctx.scale = None
+            return total
+        # d(loss)/d(summed loss); 0 without tokens that count (whose gradients are 0), as cross_entropy's are
+        divisor = torch.as_tensor(divisor, device=total.device)
+        ctx.scale = torch.where(divisor == 0, 0.0, torch.reciprocal(divisor.to(torch.float32)))
+        return total / divisor
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        if torch.is_grad_enabled():
+            raise RuntimeError(
+                f"{_NAME}double backward (create_graph=True through the loss head) is not supported: its gradients "
+                "are computed in the forward, not as a differentiable graph; use F.linear + F.cross_entropy there"
+            )
+        if ctx.grads is None:
+            raise RuntimeError(
+                f"{_NAME}a second backward through the same loss (retain_graph=True) is not supported: the "
+                "gradients computed in the forward are handed out, scaled in place, by the first; compute the "
+                "loss again for another backward"
+            )
+        grads, ctx.grads = ctx.grads, None  # released here, so that autograd may take the tensors without a copy
+        factor = grad_output if ctx.scale is None else grad_output * ctx.scale
+        out = [
+            None if grad is None else grad.to(dtype).mul_(factor) for grad, dtype in zip(grads, ctx.dtypes, strict=True)
+        ]
+        return (*out, None, None, None)
+
+
+def _fused(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    head: _Head,
+    needs_hidden: bool,
+    needs_weight: bool,
+    needs_bias: bool,
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
+    """The summed loss and its gradients with respect to hidden, weight and bias (None where not needed).
+
+    Per chunk: logits -> fp32 log-softmax (its buffer becomes the gradient: exp, minus one at the targets,
+    times the soft cap's derivative) -> cast into the logits' buffer -> the two gradient matmuls. Ignored tokens
+    are zeroed in the [tokens, hidden] operands (their hidden rows, their hidden-gradient rows), not in the
+    [tokens, vocab] gradient. The uniform factor 1 / divisor is applied in backward, with grad_output."""
+    dtype, device = head.compute_dtype, hidden.device
+    n = hidden.shape[0]
+    weight_c = weight.to(dtype)
+    bias_c = None if bias is None else bias.to(dtype)
+    accumulate = torch.promote_types(weight.dtype, torch.float32)  # the weight gradient's sum over chunks
+    grad_hidden = torch.empty(n, hidden.shape[1], dtype=dtype, device=device) if needs_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=device) if needs_weight else None
+    grad_bias = torch.zeros(weight.shape[0], dtype=accumulate, device=device) if needs_bias else None
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for start in _chunks(n, head.chunk_size):
+        stop = min(start + head.chunk_size, n)
+        hidden_c = hidden[start:stop].to(dtype)
+        labels_c = labels[start:stop]
+        logits = _logits(hidden_c, weight_c, bias_c, head)
+        counts = labels_c != head.ignore_index
+        targets = torch.where(counts, labels_c, 0).unsqueeze(1)
+        tanh = None
+        if head.softcap is None:
+            logp = F.log_softmax(logits, dim=1, dtype=torch.float32)
+        else:
+            tanh = logits.float()  # fp32 logits: the same buffer (not needed again)
+            tanh.div_(head.softcap).tanh_()
+            logp = F.log_softmax(tanh * head.softcap, dim=1)
+        total -= torch.where(counts, logp.gather(1, targets).squeeze(1), 0).sum()
+        grad = logp.exp_()  # softmax - one_hot: the summed loss's gradient with respect to the fp32 logits
+        grad.scatter_add_(1, targets, torch.full(targets.shape, -1.0, dtype=grad.dtype, device=device))
+        if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
+            grad.addcmul_(grad, tanh.square_(), value=-1)
+            del tanh
+        if grad.dtype == dtype:
+            grad_logits = grad
+        else:  # back to the logits' dtype, as the .float() upcast's backward casts, into the logits' buffer
+            grad_logits = logits.copy_(grad)
+        del grad, logp
+        if head.logit_scale is not None:
+            grad_logits.mul_(head.logit_scale)
+        keep = counts.unsqueeze(1).to(dtype)
+        if grad_hidden is not None:
+            torch.mm(grad_logits, weight_c, out=grad_hidden[start:stop]).mul_(keep)
+        if grad_weight is not None:
+            if grad_weight.dtype == dtype:
+                grad_weight.addmm_(grad_logits.T, hidden_c * keep)
+            else:
+                grad_weight += grad_logits.T @ (hidden_c * keep)
+        if grad_bias is not None:
+            grad_bias += (keep.T @ grad_logits).squeeze(0)
+        del grad_logits, logits
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype)
+    return total, (grad_hidden, grad_weight, grad_bias)
