@@ -127,10 +127,10 @@ def _check(
     for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{_NAME}`{name}` must be a tensor, got {type(value).__name__}")
-    if hidden.dim() < 1 or not hidden.is_floating_point():
+    if hidden.dim() < 2 or not hidden.is_floating_point():
         raise ValueError(
-            f"{_NAME}`hidden` must be a floating-point tensor [..., hidden_size], got {hidden.dtype} of shape "
-            f"{tuple(hidden.shape)}"
+            f"{_NAME}`hidden` must be a floating-point tensor [tokens, hidden_size] or [batch, tokens, "
+            f"hidden_size], got {hidden.dtype} of shape {tuple(hidden.shape)}"
         )
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
@@ -179,7 +179,7 @@ def _check(
         raise TypeError(f"{_NAME}`shift_labels` must be a bool (HF's causal shift or none), got {shift_labels!r}")
 
     compute_dtype = _compute_dtype(hidden, weight, bias)
-    if shift_labels and labels.dim() > 0:
+    if shift_labels:
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     labels1d = labels.reshape(-1).to(hidden.device)
     divisor: torch.Tensor | int | None = None
