@@ -323,7 +323,7 @@ BAD = [
     ({"chunk_size": 0}, ValueError, r"`chunk_size` must be None \(the default\) or an int >= 1"),
     ({"ignore_index": 1.5}, TypeError, "`ignore_index` must be an int"),
     ({"shift_labels": 1}, TypeError, "`shift_labels` must be a bool"),
-    ({"weight": torch.randn(96, 16, dtype=torch.float64)}, TypeError, "the head.s inputs have different dtypes.*torch.autocast"),
+    ({"weight": torch.randn(96, 16, dtype=torch.float64)}, TypeError, "the head.s inputs have different dtypes"),
 ]
 
 

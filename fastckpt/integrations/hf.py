@@ -7,6 +7,10 @@ handling, input-embedding grads for adapters), then points every checkpointing l
 `activation_checkpointing_enable` on this instance, so that a later call of it (which is what
 `transformers.Trainer` does for `gradient_checkpointing=True`) keeps using fastckpt instead of
 silently switching back to torch's function.
+
+`enable(model, loss_head=True)` also computes a causal LM's training loss through
+`fastckpt.linear_cross_entropy` (the LM head and cross entropy a chunk of tokens at a time, no full
+logits); see `_LossHead` for how the model's own forward is kept.
 """
 
 from __future__ import annotations
@@ -15,11 +19,14 @@ import dataclasses
 import functools
 import inspect
 import types
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from fastckpt.api import checkpoint
+from fastckpt.loss import linear_cross_entropy
 from fastckpt.policies import Policy
 
 # The keywords fastckpt.checkpoint takes besides the function and its arguments.
@@ -93,33 +100,58 @@ def _enable_through_fastckpt(
             module._gradient_checkpointing_func = function
 
 
-def enable(model: Any, policy: str | Policy = "recompute", *, every_n_layers: int = 1, **checkpoint_kwargs: Any) -> Any:
+def enable(
+    model: Any,
+    policy: str | Policy = "recompute",
+    *,
+    every_n_layers: int = 1,
+    loss_head: bool = False,
+    **checkpoint_kwargs: Any,
+) -> Any:
     """Turn on gradient checkpointing of a transformers model through fastckpt; returns `model`.
 
     The layers are those HF checkpoints (`every_n_layers` as in `activation_checkpointing_enable`);
     `checkpoint_kwargs` go to `fastckpt.checkpoint` (e.g. `use_reentrant=True`). Keywords that
     `transformers.Trainer` passes later (`gradient_checkpointing_kwargs`, which may include `policy`)
     are merged over these.
+
+    `loss_head=True` (a causal LM: `*ForCausalLM`) computes the loss of every forward that gets `labels`
+    with grad mode on through `fastckpt.linear_cross_entropy`, a chunk of tokens at a time: no full logits,
+    the same loss and gradients as HF's `ForCausalLMLoss` up to summation order (Trainer's
+    `num_items_in_batch`, `ignore_index`, `shift_labels`, `logits_to_keep` and the known logit soft caps and
+    scales included). Such a forward returns `logits` of shape [batch, 0, vocab] (no position's logits were
+    computed); forwards without labels or under `torch.no_grad()` (evaluation, generation) are HF's own.
+    `loss_head=False` (the default) leaves the loss to HF, or hands it back after an earlier `loss_head=True`.
     """
     pretrained = _pretrained_model(model)
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
         raise ValueError(
             f"fastckpt.integrations.hf.enable: `every_n_layers` must be an int >= 1, got {every_n_layers!r}"
         )
+    if not isinstance(loss_head, bool):
+        raise TypeError(f"fastckpt.integrations.hf.enable: `loss_head` must be True or False, got {loss_head!r}")
     settings = _Settings(Policy.parse(policy), dict(checkpoint_kwargs))
     _checkpoint_function(settings, None, offload=False)  # reject bad keywords before changing the model
+    if loss_head:
+        _LossHead.check(pretrained)  # likewise
     pretrained._fastckpt_settings = settings
     # An instance attribute shadows the class's method, so Trainer's later call (and the deprecated
     # gradient_checkpointing_enable, which forwards to it) lands here too. A bound method, not a
     # closure, so that copy.deepcopy binds the copy's to the copy.
     pretrained.activation_checkpointing_enable = types.MethodType(_enable_through_fastckpt, pretrained)
     _enable_through_fastckpt(pretrained, every_n_layers=every_n_layers)
+    if loss_head:
+        _LossHead.install(pretrained)
+    else:
+        _LossHead.remove(pretrained)
     return model
 
 
 def disable(model: Any) -> Any:
-    """Turn gradient checkpointing off and give the model back its own enable method; returns `model`."""
+    """Turn gradient checkpointing and the loss head off, give the model back its own enable method and
+    forward; returns `model`."""
     pretrained = _pretrained_model(model)
+    _LossHead.remove(pretrained)
     pretrained.__dict__.pop("activation_checkpointing_enable", None)
     pretrained.__dict__.pop("_fastckpt_settings", None)
     pretrained.activation_checkpointing_disable()
@@ -133,3 +165,260 @@ def is_enabled(model: Any) -> bool:
         and getattr(getattr(module, "_gradient_checkpointing_func", None), "func", None) is checkpoint
         for module in _pretrained_model(model).modules()
     )
+
+
+def loss_head_enabled(model: Any) -> bool:
+    """True when `model`'s training loss goes through fastckpt.linear_cross_entropy (`enable(loss_head=True)`)."""
+    return bool(_pretrained_model(model).__dict__.get(_LossHead.ON, False))
+
+
+def _scale_of(attribute: str, invert: bool = False, on_model: bool = False) -> Callable[[Any], dict[str, Any]]:
+    def options(model: Any) -> dict[str, Any]:
+        value = getattr(model if on_model else model.config, attribute, None)
+        if value is None:
+            return {}
+        value = float(value)
+        return {"logit_scale": 1.0 / value if invert else value}
+
+    return options
+
+
+def _softcap_of(attribute: str) -> Callable[[Any], dict[str, Any]]:
+    def options(model: Any) -> dict[str, Any]:
+        value = getattr(model.config, attribute, None)
+        return {} if value is None else {"softcap": float(value)}
+
+    return options
+
+
+# What the forward of these transformers classes does to the logits between lm_head and loss_function, as
+# linear_cross_entropy options (read from each class's forward in transformers 5.23; tested:
+# tests/integrations/test_hf_loss.py). The soft caps are computed in fp32 here, where Gemma's code caps in
+# the logits' dtype (under bf16 autocast the results differ by bf16 rounding). Any other class whose forward
+# changes the lm_head output before loss_function is refused at its first forward (see _LossHead.loss).
+_HEAD_POSTPROCESSING: dict[str, Callable[[Any], dict[str, Any]]] = {
+    **dict.fromkeys(("Gemma2ForCausalLM", "Gemma3ForCausalLM"), _softcap_of("final_logit_softcapping")),
+    **dict.fromkeys(("CohereForCausalLM", "Cohere2ForCausalLM"), _scale_of("logit_scale", on_model=True)),
+    **dict.fromkeys(("GraniteForCausalLM", "GraniteMoeForCausalLM"), _scale_of("logits_scaling", invert=True)),
+}
+
+
+def _wraps_loss_head(function: Any) -> bool:
+    """True when `function` is the loss head's forward or wraps it (through __wrapped__ / __func__)."""
+    for _ in range(32):
+        if function is None:
+            return False
+        if getattr(function, "_fastckpt_loss_head", False):
+            return True
+        function = getattr(function, "__func__", None) or getattr(function, "__wrapped__", None)
+    return False
+
+
+def _forward_owner(model: torch.nn.Module) -> type:
+    """The class whose `forward` the model runs."""
+    return next(cls for cls in type(model).__mro__ if "forward" in cls.__dict__)
+
+
+class _LossHead:
+    """The model's own forward, with its `lm_head` and `loss_function` replaced during the call.
+
+    Installed as an instance `forward` that wraps the class's (with its signature, which Trainer reads to
+    decide whether to pass `num_items_in_batch`). For a call with `labels` under grad mode it registers,
+    for that call only, a forward pre-hook on `lm_head` that keeps the hidden states and hands lm_head an
+    empty slice of them (no tokens: the model's logit post-processing runs on an empty tensor), and sets
+    the instance's `loss_function` to `loss` below, which computes the loss from the kept hidden states and
+    lm_head's weight and bias. Everything else in the forward (the base model, `logits_to_keep`, MoE
+    auxiliary losses added to the loss) is the model's own code.
+    """
+
+    ON = "_fastckpt_loss_head"
+    INNER = "_fastckpt_inner_forward"  # an instance-level forward found at install time (e.g. accelerate's)
+    _forwards: dict[type, Callable[..., Any]] = {}
+
+    @staticmethod
+    def unsupported(model: torch.nn.Module) -> str | None:
+        """Why the loss head cannot run on `model` (None: it can)."""
+        name = type(model).__name__
+        head = getattr(model, "lm_head", None)
+        if type(head) is not torch.nn.Linear:
+            return (
+                f"{name}.lm_head is {type(head).__name__}, not a plain torch.nn.Linear (a LoRA or quantized head, "
+                "PEFT's modules_to_save); fastckpt reads its weight and bias directly"
+            )
+        try:
+            from transformers.loss.loss_utils import ForCausalLMLoss
+        except ImportError:  # pragma: no cover - transformers without its loss module
+            return "this transformers release has no transformers.loss.loss_utils.ForCausalLMLoss"
+        if type(model).loss_function.fget(model) is not ForCausalLMLoss:
+            return f"{name}.loss_function is not transformers' ForCausalLMLoss (a custom or non-causal loss)"
+        return None
+
+    @classmethod
+    def check(cls, model: torch.nn.Module) -> None:
+        reason = cls.unsupported(model)
+        if reason is None:
+            try:
+                source = inspect.getsource(_forward_owner(model).forward)
+            except (OSError, TypeError):
+                source = ""
+            if "self.lm_head(" not in source or "self.loss_function(" not in source:
+                reason = (
+                    f"{_forward_owner(model).__name__}.forward does not compute its loss as "
+                    "self.loss_function(self.lm_head(...), labels, ...)"
+                )
+        if reason is not None:
+            raise ValueError(f"fastckpt.integrations.hf.enable(loss_head=True): {reason}; enable without loss_head")
+
+    @classmethod
+    def install(cls, model: torch.nn.Module) -> None:
+        model.__dict__[cls.ON] = True
+        current = model.__dict__.get("forward")
+        if current is not None and _wraps_loss_head(current):
+            return  # installed already (possibly inside a wrapper installed since, e.g. accelerate's autocast)
+        if current is not None:
+            model.__dict__[cls.INNER] = current
+        model.forward = types.MethodType(cls._forward_of(type(model)), model)
+
+    @classmethod
+    def remove(cls, model: torch.nn.Module) -> None:
+        if not model.__dict__.pop(cls.ON, False):
+            return
+        current = model.__dict__.get("forward")
+        if getattr(current, "_fastckpt_loss_head", False):  # ours on top: put back what was there
+            inner = model.__dict__.pop(cls.INNER, None)
+            if inner is None:
+                del model.__dict__["forward"]
+            else:
+                model.__dict__["forward"] = inner
+        # else something wrapped ours since (accelerate): ours stays inside it, switched off
+
+    @classmethod
+    def _forward_of(cls, model_class: type) -> Callable[..., Any]:
+        if model_class not in cls._forwards:
+            class_forward = model_class.forward
+            parameters = list(inspect.signature(class_forward).parameters)
+            labels_at = parameters.index("labels") - 1 if "labels" in parameters else None  # without self
+
+            @functools.wraps(class_forward)
+            def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+                inner = self.__dict__.get(cls.INNER) or types.MethodType(class_forward, self)
+                labels = kwargs.get("labels")
+                if labels is None and labels_at is not None and len(args) > labels_at:
+                    labels = args[labels_at]
+                if labels is None or not self.__dict__.get(cls.ON) or not torch.is_grad_enabled():
+                    return inner(*args, **kwargs)
+                reason = cls.unsupported(self)
+                if reason is not None:
+                    if not self.__dict__.get("_fastckpt_loss_head_warned"):
+                        self.__dict__["_fastckpt_loss_head_warned"] = True
+                        warnings.warn(
+                            f"fastckpt.integrations.hf: loss_head falls back to HF's loss (full logits): {reason}",
+                            stacklevel=2,
+                        )
+                    return inner(*args, **kwargs)
+                return cls(self).run(inner, args, kwargs)
+
+            forward._fastckpt_loss_head = True
+            cls._forwards[model_class] = forward
+        return cls._forwards[model_class]
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.hidden: torch.Tensor | None = None
+        self.placeholder: torch.Tensor | None = None
+        self.version = 0
+        self.losses = 0
+
+    def run(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        model = self.model
+        head = model.lm_head
+        had_loss_function = "_loss_function" in model.__dict__
+        previous = model.__dict__.get("_loss_function")
+        hooks = [head.register_forward_pre_hook(self.pre_hook), head.register_forward_hook(self.hook)]
+        model._loss_function = self.loss
+        try:
+            output = inner(*args, **kwargs)
+        finally:
+            for hook in hooks:
+                hook.remove()
+            if had_loss_function:
+                model.__dict__["_loss_function"] = previous
+            else:
+                model.__dict__.pop("_loss_function", None)
+        if self.losses != 1:
+            raise RuntimeError(
+                f"fastckpt.integrations.hf (loss_head): {type(model).__name__}.forward called its loss_function "
+                f"{self.losses} times with labels given (expected once); enable without loss_head"
+            )
+        return output
+
+    def pre_hook(self, module: torch.nn.Module, args: tuple) -> tuple:
+        if self.hidden is not None:
+            raise RuntimeError(
+                f"fastckpt.integrations.hf (loss_head): {type(self.model).__name__}.forward calls lm_head more "
+                "than once; enable without loss_head"
+            )
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+            raise RuntimeError(
+                "fastckpt.integrations.hf (loss_head): lm_head was called with other than one hidden-states tensor "
+                "[..., tokens, hidden]; enable without loss_head"
+            )
+        self.hidden = args[0]
+        return (args[0].narrow(-2, 0, 0),)  # no tokens: the head's output is an empty [..., 0, vocab] tensor
+
+    def hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        self.placeholder, self.version = output, output._version
+
+    def loss(
+        self,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_size: int,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        ignore_index: int = -100,
+        shift_labels: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """Stands in for ForCausalLMLoss (same arguments) during the forward."""
+        model, head = self.model, self.model.lm_head
+        self.losses += 1
+        name = type(model).__name__
+        if self.hidden is None:
+            raise RuntimeError(
+                f"fastckpt.integrations.hf (loss_head): {name}.forward computed logits without calling lm_head; "
+                "enable without loss_head"
+            )
+        options = _HEAD_POSTPROCESSING.get(_forward_owner(model).__name__, lambda model: {})(model)
+        changed = logits is not self.placeholder or logits._version != self.version
+        if changed != bool(options):
+            what = "changes the lm_head output before its loss" if changed else "does not post-process the logits"
+            raise RuntimeError(
+                f"fastckpt.integrations.hf (loss_head): {name}.forward {what}, which fastckpt does not know how to "
+                f"compute (known: {sorted(_HEAD_POSTPROCESSING)} and models without post-processing); enable "
+                "without loss_head"
+            )
+        if vocab_size != head.out_features:
+            raise RuntimeError(
+                f"fastckpt.integrations.hf (loss_head): vocab_size {vocab_size} differs from lm_head.out_features "
+                f"{head.out_features}; enable without loss_head"
+            )
+        # ForCausalLMLoss: labels shifted left by one along their last dimension, ignore_index appended, then
+        # logits and labels flattened.
+        if shift_labels is None:
+            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        hidden = self.hidden.reshape(-1, self.hidden.shape[-1])
+        targets = shift_labels.reshape(-1)
+        if targets.numel() != hidden.shape[0]:
+            raise ValueError(
+                f"fastckpt.integrations.hf (loss_head): {hidden.shape[0]} positions have logits but there are "
+                f"{targets.numel()} labels (logits_to_keep keeps positions, the labels must match them)"
+            )
+        return linear_cross_entropy(
+            hidden,
+            head.weight,
+            targets,
+            bias=head.bias,
+            ignore_index=ignore_index,
+            num_items_in_batch=num_items_in_batch,
+            **options,
+        )

@@ -1,0 +1,303 @@
+"""hf.enable(model, loss_head=True) against the unpatched transformers model: tiny random causal LMs, padded
+batches with -100 labels, losses and every gradient (fp32 tight, bf16 autocast loose), Trainer's
+num_items_in_batch, shift_labels, logits_to_keep, logit soft caps and scales, PEFT LoRA, one Trainer run with
+gradient accumulation, and the refusals."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastckpt import linear_cross_entropy  # noqa: E402
+from fastckpt.integrations import hf  # noqa: E402
+
+VOCAB = 256
+BATCH, SEQ, SHORT = 2, 12, 7
+FP32 = {"rtol": 1e-5, "atol": 1e-6}  # fp32: the head's summation order, carried through two layers
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _decoder(config_class: str, **overrides: Any):
+    base = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    return functools.partial(getattr(transformers, config_class), **{**base, **overrides})
+
+
+GEMMA = {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8}
+ARCHS = {
+    "llama": ("LlamaForCausalLM", _decoder("LlamaConfig")),
+    "llama-tied": ("LlamaForCausalLM", _decoder("LlamaConfig", tie_word_embeddings=True)),
+    "qwen2": ("Qwen2ForCausalLM", _decoder("Qwen2Config")),
+    "mistral": ("MistralForCausalLM", _decoder("MistralConfig", sliding_window=8)),
+    "phi3": ("Phi3ForCausalLM", _decoder("Phi3Config")),
+    "gemma2-softcap": ("Gemma2ForCausalLM", _decoder("Gemma2Config", final_logit_softcapping=3.0, **GEMMA)),
+    "gemma3": (
+        "Gemma3ForCausalLM",
+        _decoder("Gemma3TextConfig", layer_types=["sliding_attention", "full_attention"], **GEMMA),
+    ),
+    "cohere-scale": ("CohereForCausalLM", _decoder("CohereConfig", logit_scale=0.5)),
+    "granite-scaling": ("GraniteForCausalLM", _decoder("GraniteConfig", logits_scaling=4.0)),
+    "mixtral-aux-loss": (
+        "MixtralForCausalLM",
+        _decoder("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+    ),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    model_class, config = ARCHS[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(config())
+    if name == "llama-tied":
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    return model
+
+
+def padded_batch(seed: int = 1) -> dict[str, torch.Tensor]:
+    ids = torch.randint(4, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, SHORT:] = 0
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def step(model: torch.nn.Module, autocast: bool = False, **inputs: Any):
+    """One train-mode forward/backward: the output, and every parameter's gradient."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        output = model(**inputs)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return output, grads
+
+
+def assert_same_step(ours, expected, bf16: bool = False) -> None:
+    (output, grads), (ref_output, ref_grads) = ours, expected
+    assert grads.keys() == ref_grads.keys() and grads
+    if bf16:
+        torch.testing.assert_close(output.loss, ref_output.loss, rtol=1e-2, atol=1e-2)
+    else:
+        torch.testing.assert_close(output.loss, ref_output.loss, **FP32)
+    for name, ref in ref_grads.items():
+        if bf16:  # bf16 rounding of activations and the head's gradients, through the layers
+            tolerance = 3e-2 * float(ref.abs().max())
+            torch.testing.assert_close(grads[name], ref, rtol=3e-2, atol=tolerance, msg=name)
+        else:
+            torch.testing.assert_close(grads[name], ref, **FP32, msg=name)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_loss_and_gradients_equal_hf(name, autocast):
+    plain = build(name)
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    assert hf.loss_head_enabled(ours) and not hf.loss_head_enabled(plain)
+    batch = padded_batch()
+    result = step(ours, autocast, **batch)
+    assert_same_step(result, step(plain, autocast, **batch), bf16=autocast)
+    # no position's logits were computed
+    assert result[0].logits.shape == (BATCH, 0, VOCAB)
+    if name == "mixtral-aux-loss":
+        assert result[0].aux_loss is not None
+
+
+def test_num_items_in_batch_and_shift_labels_kwargs():
+    plain = build("llama")
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    batch = padded_batch()
+    for extra in (
+        {"num_items_in_batch": torch.tensor(31)},
+        {"num_items_in_batch": 9},
+        {"shift_labels": torch.roll(batch["labels"], -2, dims=1)},
+        {"ignore_index": 0, "labels": batch["input_ids"]},  # the pad id as ignore_index
+    ):
+        inputs = {**batch, **extra}
+        assert_same_step(step(ours, **inputs), step(plain, **inputs))
+
+
+def test_logits_to_keep():
+    plain = build("llama")
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    batch = padded_batch()
+    inputs = {**batch, "labels": batch["labels"][:, -5:], "logits_to_keep": 5}  # HF: labels for the kept positions
+    assert_same_step(step(ours, **inputs), step(plain, **inputs))
+    with pytest.raises(ValueError, match="10 positions have logits but there are 24 labels"):
+        step(ours, **{**batch, "logits_to_keep": 5})
+
+
+def test_without_labels_or_grad_the_forward_is_hfs():
+    plain = build("gemma2-softcap")
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    batch = padded_batch()
+    ours.eval(), plain.eval()
+    no_labels = {k: v for k, v in batch.items() if k != "labels"}
+    assert torch.equal(ours(**no_labels).logits, plain(**no_labels).logits)
+    with torch.no_grad():  # evaluation: HF's loss and full logits (metrics read them)
+        output, expected = ours(**batch), plain(**batch)
+    assert torch.equal(output.logits, expected.logits) and torch.equal(output.loss, expected.loss)
+
+
+def test_trainer_sees_the_models_signature():
+    ours = hf.enable(build("llama"), loss_head=True)
+    assert inspect.signature(ours.forward) == inspect.signature(type(ours).forward.__get__(ours))
+    assert "forward" in vars(ours)
+
+
+def test_disable_restores_hfs_forward():
+    plain = build("llama")
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    clone = copy.deepcopy(ours)
+    assert clone.forward.__self__ is clone and hf.loss_head_enabled(clone)
+    hf.disable(ours)
+    assert "forward" not in vars(ours) and not hf.loss_head_enabled(ours)
+    batch = padded_batch()
+    output, grads = step(ours, **batch)
+    expected, expected_grads = step(plain, **batch)
+    assert output.logits.shape == (BATCH, SEQ, VOCAB) and torch.equal(output.loss, expected.loss)
+    assert all(torch.equal(grads[k], expected_grads[k]) for k in expected_grads)
+    hf.enable(clone, loss_head=False)  # enable without loss_head hands the loss back too
+    assert not hf.loss_head_enabled(clone) and "forward" not in vars(clone)
+    assert step(clone, **batch)[0].logits.shape == (BATCH, SEQ, VOCAB)
+
+
+def test_peft_lora():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    plain = peft.get_peft_model(build("llama"), config)
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    batch = padded_batch()
+    result = step(ours, **batch)
+    assert result[1] and all("lora_" in name for name in result[1])
+    assert_same_step(result, step(plain, **batch))
+    assert result[0].logits.shape[1] == 0
+
+
+def test_lora_on_lm_head_is_refused():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
+    model = peft.get_peft_model(build("llama"), config)
+    with pytest.raises(ValueError, match=r"loss_head=True\): LlamaForCausalLM.lm_head is Linear, not a plain"):
+        hf.enable(model, loss_head=True)
+    assert not hf.is_enabled(model)  # refused before the model was changed
+
+
+def test_head_replaced_after_enable_falls_back_with_a_warning():
+    plain = build("llama")
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    ours.lm_head = torch.nn.Sequential(ours.lm_head)
+    batch = padded_batch()
+    with pytest.warns(UserWarning, match="loss_head falls back to HF's loss .*Sequential"):
+        output, _ = step(ours, **batch)
+    assert output.logits.shape == (BATCH, SEQ, VOCAB)
+    torch.testing.assert_close(output.loss, step(plain, **batch)[0].loss, **FP32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(ours, **batch)  # once per model
+
+
+class _ScaledLlama(transformers.LlamaForCausalLM):
+    """A forward that post-processes the logits in a way fastckpt does not know."""
+
+    in_place = False
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        logits = self.lm_head(hidden)
+        logits = logits.mul_(2.0) if self.in_place else logits * 2.0
+        loss = self.loss_function(logits, labels, self.vocab_size, **kwargs) if labels is not None else None
+        return transformers.modeling_outputs.CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_unknown_logit_post_processing_is_refused(in_place):
+    torch.manual_seed(0)
+    model = _ScaledLlama(ARCHS["llama"][1]())
+    model.in_place = in_place
+    hf.enable(model, loss_head=True)
+    with pytest.raises(RuntimeError, match="_ScaledLlama.forward changes the lm_head output before its loss"):
+        step(model, **padded_batch())
+
+
+def test_models_without_a_causal_lm_head_are_refused():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    with pytest.raises(ValueError, match="BertForMaskedLM.lm_head is NoneType, not a plain torch.nn.Linear"):
+        hf.enable(transformers.BertForMaskedLM(config), loss_head=True)
+    model = build("llama")
+    model.loss_function = lambda *args, **kwargs: torch.zeros(())
+    with pytest.raises(ValueError, match="loss_function is not transformers' ForCausalLMLoss"):
+        hf.enable(model, loss_head=True)
+    with pytest.raises(TypeError, match="`loss_head` must be True or False"):
+        hf.enable(build("llama"), loss_head="yes")
+
+
+def _train(model: torch.nn.Module, tmp_path, name: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    rows = [padded_batch(seed) for seed in range(4)]
+    data = [{key: value[i] for key, value in row.items()} for row in rows for i in range(BATCH)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path / name),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_trainer_with_gradient_accumulation(tmp_path, monkeypatch):
+    """Trainer passes num_items_in_batch (the tokens of both micro-batches) through the forward's kwargs."""
+    plain = build("llama")
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    divisors = []
+
+    def counted(*args, **kwargs):
+        divisors.append(kwargs["num_items_in_batch"])
+        return linear_cross_entropy(*args, **kwargs)
+
+    monkeypatch.setattr(hf, "linear_cross_entropy", counted)
+    losses, weights = _train(ours, tmp_path, "ours")
+    monkeypatch.undo()
+    # 2 optimizer steps x 2 micro-batches, each normalised by the tokens of its step's two micro-batches
+    assert len(divisors) == 4 and all(torch.is_tensor(d) for d in divisors)
+    assert divisors[0] == divisors[1] and divisors[0] < 4 * SEQ
+    expected_losses, expected_weights = _train(plain, tmp_path, "plain")
+    assert len(losses) == 2
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected_losses), **FP32)
+    for key, value in expected_weights.items():
+        torch.testing.assert_close(weights[key], value, rtol=1e-4, atol=1e-5, msg=key)
