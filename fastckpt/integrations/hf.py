@@ -223,12 +223,12 @@ class _LossHead:
     """The model's own forward, with its `lm_head` and `loss_function` replaced during the call.
 
     Installed as an instance `forward` that wraps the class's (with its signature, which Trainer reads to
-    decide whether to pass `num_items_in_batch`). For a call with `labels` under grad mode it registers,
-    for that call only, a forward pre-hook on `lm_head` that keeps the hidden states and hands lm_head an
-    empty slice of them (no tokens: the model's logit post-processing runs on an empty tensor), and sets
-    the instance's `loss_function` to `loss` below, which computes the loss from the kept hidden states and
-    lm_head's weight and bias. Everything else in the forward (the base model, `logits_to_keep`, MoE
-    auxiliary losses added to the loss) is the model's own code.
+    decide whether to pass `num_items_in_batch`). For a call with `labels` under grad mode it replaces, for
+    that call only, `lm_head.forward` by `head_forward` below, which keeps the hidden states and returns
+    empty logits (no tokens: the model's logit post-processing runs on an empty tensor), and the instance's
+    `loss_function` by `loss` below, which computes the loss from the kept hidden states and lm_head's
+    weight and bias. Everything else in the forward (the base model, `logits_to_keep`, MoE auxiliary
+    losses added to the loss) is the model's own code.
     """
 
     ON = "_fastckpt_loss_head"
@@ -332,19 +332,18 @@ class _LossHead:
     def run(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         model = self.model
         head = model.lm_head
-        had_loss_function = "_loss_function" in model.__dict__
-        previous = model.__dict__.get("_loss_function")
-        hooks = [head.register_forward_pre_hook(self.pre_hook), head.register_forward_hook(self.hook)]
+        saved = {name: obj.__dict__[name] for obj, name in ((head, "forward"), (model, "_loss_function"))
+                 if name in obj.__dict__}  # fmt: skip
+        head.forward = self.head_forward
         model._loss_function = self.loss
         try:
             output = inner(*args, **kwargs)
         finally:
-            for hook in hooks:
-                hook.remove()
-            if had_loss_function:
-                model.__dict__["_loss_function"] = previous
-            else:
-                model.__dict__.pop("_loss_function", None)
+            for obj, name in ((head, "forward"), (model, "_loss_function")):
+                if name in saved:
+                    obj.__dict__[name] = saved[name]
+                else:
+                    obj.__dict__.pop(name, None)
         if self.losses != 1:
             raise RuntimeError(
                 f"fastckpt.integrations.hf (loss_head): {type(model).__name__}.forward called its loss_function "
@@ -352,22 +351,30 @@ class _LossHead:
             )
         return output
 
-    def pre_hook(self, module: torch.nn.Module, args: tuple) -> tuple:
+    def head_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Stands in for lm_head.forward during the call: keeps the hidden states, returns empty logits."""
         if self.hidden is not None:
             raise RuntimeError(
                 f"fastckpt.integrations.hf (loss_head): {type(self.model).__name__}.forward calls lm_head more "
                 "than once; enable without loss_head"
             )
-        if len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+        if kwargs or len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
             raise RuntimeError(
                 "fastckpt.integrations.hf (loss_head): lm_head was called with other than one hidden-states tensor "
                 "[..., tokens, hidden]; enable without loss_head"
             )
-        self.hidden = args[0]
-        return (args[0].narrow(-2, 0, 0),)  # no tokens: the head's output is an empty [..., 0, vocab] tensor
-
-    def hook(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
-        self.placeholder, self.version = output, output._version
+        hidden = self.hidden = args[0]
+        head = self.model.lm_head
+        # The dtype lm_head's output would have (autocast's or the weight's), no tokens, and no weight cast:
+        # the model's logit post-processing runs on this empty tensor.
+        dtype = torch.result_type(hidden[..., :0, :1], head.weight[:0, :1])
+        device_type = hidden.device.type
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+        shape = (*hidden.shape[:-2], 0, head.out_features)
+        self.placeholder = torch.empty(shape, dtype=dtype, device=hidden.device)
+        self.version = self.placeholder._version
+        return self.placeholder
 
     def loss(
         self,
