@@ -315,23 +315,26 @@ def _fused(
     Per chunk: logits -> fp32 log-softmax (its buffer becomes the gradient: exp, minus one at the targets,
     times the soft cap's derivative) -> cast into the logits' buffer -> the two gradient matmuls. Ignored tokens
     are zeroed in the [tokens, hidden] operands (their hidden rows, their hidden-gradient rows), not in the
-    [tokens, vocab] gradient. The uniform factor 1 / divisor is applied in backward, with grad_output."""
+    [tokens, vocab] gradient. What is per token and not per logit is prepared once for all chunks, so a chunk
+    is ten calls. The uniform factor 1 / divisor is applied in backward, with grad_output."""
     dtype, device = head.compute_dtype, hidden.device
-    n = hidden.shape[0]
+    n, size = hidden.shape[0], head.chunk_size
     weight_c = weight.to(dtype)
     bias_c = None if bias is None else bias.to(dtype)
+    hidden_c = hidden.to(dtype)
+    counts = labels != head.ignore_index
+    targets = torch.where(counts, labels, 0).unsqueeze(1)
+    keep = counts.unsqueeze(1).to(dtype)
+    kept_hidden = hidden_c * keep if needs_weight else None  # ignored tokens add nothing to the weight gradient
+    minus_one = torch.full((min(size, n), 1), -1.0, dtype=torch.float32, device=device)
+    target_logp = torch.empty(n, 1, dtype=torch.float32, device=device)
     accumulate = torch.promote_types(weight.dtype, torch.float32)  # the weight gradient's sum over chunks
     grad_hidden = torch.empty(n, hidden.shape[1], dtype=dtype, device=device) if needs_hidden else None
     grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=device) if needs_weight else None
-    grad_bias = torch.zeros(weight.shape[0], dtype=accumulate, device=device) if needs_bias else None
-    total = torch.zeros((), dtype=torch.float32, device=device)
-    for start in _chunks(n, head.chunk_size):
-        stop = min(start + head.chunk_size, n)
-        hidden_c = hidden[start:stop].to(dtype)
-        labels_c = labels[start:stop]
-        logits = _logits(hidden_c, weight_c, bias_c, head)
-        counts = labels_c != head.ignore_index
-        targets = torch.where(counts, labels_c, 0).unsqueeze(1)
+    grad_bias = torch.zeros(1, weight.shape[0], dtype=accumulate, device=device) if needs_bias else None
+    for start in _chunks(n, size):
+        stop = min(start + size, n)
+        logits = _logits(hidden_c[start:stop], weight_c, bias_c, head)
         tanh = None
         if head.softcap is None:
             logp = F.log_softmax(logits, dim=1, dtype=torch.float32)
@@ -339,9 +342,9 @@ def _fused(
             tanh = logits.float()  # fp32 logits: the same buffer (not needed again)
             tanh.div_(head.softcap).tanh_()
             logp = F.log_softmax(tanh * head.softcap, dim=1)
-        total -= torch.where(counts, logp.gather(1, targets).squeeze(1), 0).sum()
+        torch.gather(logp, 1, targets[start:stop], out=target_logp[start:stop])
         grad = logp.exp_()  # softmax - one_hot: the summed loss's gradient with respect to the fp32 logits
-        grad.scatter_add_(1, targets, torch.full(targets.shape, -1.0, dtype=grad.dtype, device=device))
+        grad.scatter_add_(1, targets[start:stop], minus_one[: stop - start])
         if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
             grad.addcmul_(grad, tanh.square_(), value=-1)
             del tanh
@@ -352,19 +355,21 @@ def _fused(
         del grad, logp
         if head.logit_scale is not None:
             grad_logits.mul_(head.logit_scale)
-        keep = counts.unsqueeze(1).to(dtype)
         if grad_hidden is not None:
-            torch.mm(grad_logits, weight_c, out=grad_hidden[start:stop]).mul_(keep)
+            torch.mm(grad_logits, weight_c, out=grad_hidden[start:stop])
         if grad_weight is not None:
             if grad_weight.dtype == dtype:
-                grad_weight.addmm_(grad_logits.T, hidden_c * keep)
+                grad_weight.addmm_(grad_logits.T, kept_hidden[start:stop])
             else:
-                grad_weight += grad_logits.T @ (hidden_c * keep)
+                grad_weight += grad_logits.T @ kept_hidden[start:stop]
         if grad_bias is not None:
-            grad_bias += (keep.T @ grad_logits).squeeze(0)
+            grad_bias += keep[start:stop].T @ grad_logits
         del grad_logits, logits
+    total = -torch.where(counts.unsqueeze(1), target_logp, 0).sum()
+    if grad_hidden is not None:
+        grad_hidden.mul_(keep)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
-        grad_bias = grad_bias.to(bias.dtype)
+        grad_bias = grad_bias.squeeze(0).to(bias.dtype)
     return total, (grad_hidden, grad_weight, grad_bias)
