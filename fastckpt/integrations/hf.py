@@ -395,7 +395,9 @@ class _LossHead:
                 f"fastckpt.integrations.hf (loss_head): {name}.forward computed logits without calling lm_head; "
                 "enable without loss_head"
             )
-        options = _HEAD_POSTPROCESSING.get(_forward_owner(model).__name__, lambda model: {})(model)
+        owner = _forward_owner(model)
+        known = owner.__module__.startswith("transformers.") and owner.__name__ in _HEAD_POSTPROCESSING
+        options = _HEAD_POSTPROCESSING[owner.__name__](model) if known else {}
         changed = logits is not self.placeholder or logits._version != self.version
         if changed != bool(options):
             what = "changes the lm_head output before its loss" if changed else "does not post-process the logits"

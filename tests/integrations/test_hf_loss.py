@@ -61,7 +61,17 @@ ARCHS = {
         _decoder("Gemma3TextConfig", layer_types=["sliding_attention", "full_attention"], **GEMMA),
     ),
     "cohere-scale": ("CohereForCausalLM", _decoder("CohereConfig", logit_scale=0.5)),
+    "cohere2-scale": (
+        "Cohere2ForCausalLM",
+        _decoder(
+            "Cohere2Config", logit_scale=0.5, sliding_window=8, layer_types=["sliding_attention", "full_attention"]
+        ),
+    ),
     "granite-scaling": ("GraniteForCausalLM", _decoder("GraniteConfig", logits_scaling=4.0)),
+    "granitemoe-scaling": (
+        "GraniteMoeForCausalLM",
+        _decoder("GraniteMoeConfig", logits_scaling=4.0, num_local_experts=4, num_experts_per_tok=2),
+    ),
     "mixtral-aux-loss": (
         "MixtralForCausalLM",
         _decoder("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
