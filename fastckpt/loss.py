@@ -73,7 +73,7 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """The cross-entropy loss of the logits `hidden @ weight.T + bias` against `labels`, a chunk of tokens at a time.
 
-    `hidden` is `[..., H]` (e.g. `[B, T, H]`), `weight` `[V, H]` (an `nn.Linear`'s), `labels` integer
+    `hidden` is `[tokens, H]` or `[B, T, H]`, `weight` `[V, H]` (an `nn.Linear`'s), `labels` integer
     `hidden.shape[:-1]`; tokens labelled `ignore_index` count for nothing. The logits are multiplied by
     `logit_scale` in their own dtype (Cohere, Granite), then upcast to fp32 and soft-capped to
     `softcap * tanh(logits / softcap)` (Gemma 2/3). `reduction="mean"` divides the summed loss by the number
