@@ -84,10 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
-    if args.mode != "checkpoint" and args.workloads:
-        parser.error(f"--workloads applies to the checkpoint benchmark, not to {args.mode!r}")
-    if args.smoke and args.mode not in ("checkpoint", "llm"):
-        parser.error(f"--smoke applies to the checkpoint and llm benchmarks, not to {args.mode!r}")
+    if (args.mode != "checkpoint" and args.workloads) or (args.smoke and args.mode not in ("checkpoint", "llm")):
+        parser.error(
+            f"--workloads and --smoke apply to the checkpoint benchmark, not to {args.mode!r} (--smoke also to 'llm')"
+        )
     if args.compare is not None and not os.path.isdir(args.compare):
         parser.error(f"--compare {args.compare!r} is not a results folder")
     if args.quick and args.smoke:

@@ -319,7 +319,8 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke
     lora, lora_failed = run_workload(True, size, dev)
     full, full_failed = run_workload(False, size, dev)
     if out:
-        write_csv(lora + full, out, "llm.csv")
+        write_csv(lora, out, "llm_lora.csv")
+        write_csv(full, out, "llm_full.csv")
     scaling(size, dev, out)
     failed = {**lora_failed, **full_failed}
     if failed:

@@ -25,22 +25,23 @@ import torch.nn.functional as F
 _NAME = "fastckpt.linear_cross_entropy: "
 # The default chunk (default_chunk_size says why): fp32 logits of about CHUNK_BYTES, at least MIN_CHUNK tokens,
 # and when the weight gradient is computed at least hidden_size / 2 tokens; a multiple of CHUNK_MULTIPLE tokens.
-CHUNK_BYTES = 8 * 2**20
-MIN_CHUNK = 256
+CHUNK_BYTES = 2 * 2**20
+MIN_CHUNK = 128
 CHUNK_MULTIPLE = 64
 
 
 def default_chunk_size(vocab_size: int, hidden_size: int = 0, weight_grad: bool = False) -> int:
     """Tokens per chunk when `chunk_size` is not given.
 
-    About CHUNK_BYTES (8 MiB) of fp32 logits (512 tokens at vocab 4096), at least MIN_CHUNK (256) tokens
-    (32 MiB at vocab 32000, 128 MiB at 128256), and, when the weight gradient is computed, at least
+    About CHUNK_BYTES (2 MiB) of fp32 logits (128 tokens at vocab 4096), at least MIN_CHUNK (128) tokens
+    (16 MiB at vocab 32000, 64 MiB at 128256), and, when the weight gradient is computed, at least
     hidden_size / 2 tokens. Measured on CPU (2048-4096 tokens, bf16 autocast, one thread): the fastest
     chunks held 8-64 MiB of fp32 logits (vocab 4096: 128-512 tokens; 32000: 256-512); with a trained
     weight, every chunk also adds its [vocab, hidden] weight-gradient product into the fp32 sum, so few
     tokens per chunk cost extra (hidden 1024: +48% at 128 tokens, +19% at 256, within 2% of the best from
-    512 on; a frozen weight: flat). The 256-token floor keeps the head matmuls a usable shape and the
-    per-chunk calls few on a GPU (not measured there).
+    512 on; a frozen weight: flat). The size is the small end of that range because after checkpointing
+    the chunk is the step's peak: a bf16 Llama LoRA step (16 layers, 1024 tokens, vocab 4096) peaked at
+    32.2 MiB with 512-token chunks and 23.0 MiB with 128 (recompute:int8+int8; HF checkpointing: 76 MiB).
     """
     tokens = max(CHUNK_BYTES // (4 * max(1, vocab_size)), MIN_CHUNK, hidden_size // 2 if weight_grad else 0)
     return -(-tokens // CHUNK_MULTIPLE) * CHUNK_MULTIPLE

@@ -278,10 +278,10 @@ def test_double_backward_and_second_backward_raise():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(4096) == 512  # 8 MiB of fp32 logits
-    assert default_chunk_size(32000) == 256 and default_chunk_size(128256) == 256  # the 256-token floor
+    assert default_chunk_size(4096) == 128  # 2 MiB of fp32 logits
+    assert default_chunk_size(32000) == 128 and default_chunk_size(128256) == 128  # the 128-token floor
     assert default_chunk_size(128256, 4096, weight_grad=True) == 2048  # hidden / 2 with a weight gradient
-    assert default_chunk_size(128256, 4096, weight_grad=False) == 256
+    assert default_chunk_size(128256, 4096, weight_grad=False) == 128
     assert default_chunk_size(151936, 3584, weight_grad=True) == 1792
     assert all(default_chunk_size(v, h, True) % 64 == 0 for v in (7, 1000, 50257) for h in (10, 100, 1000))
 
