@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from benchmarks.harness import error_line, median_times, peak_bytes, write_csv
+import fastckpt.planner
+from benchmarks.harness import error_line, median_times, peak_bytes, quiet_profiler_logs, write_csv
 from fastckpt import hybrid
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 256, 688, 4, 2, 4096
@@ -46,6 +47,8 @@ SCALING_DEPTH = {"full": 16, "quick": 8, "smoke": 2}
 SCALING_TOKENS = {"full": 1024, "quick": 1024, "smoke": 64}
 LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this many token chunks
 HF_GC = "HF GC"
+PLAN = "fastckpt plan + loss head"
+PLAN_FRACTION = 1 / 3  # the plan row's budget, as a fraction of HF GC's whole-step peak
 PLAIN = "plain"
 
 
@@ -191,16 +194,61 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
         return step
 
     results = {}
-    for name in models:
-        step = timed(name)
-        peak = peak_bytes(step, device)
+
+    def measure(name: str) -> None:
+        peak = peak_bytes(timed(name), device)
         _step(models[name], batch, losses[name])
         error = relative_error(_gradients(models[name]), reference)
         models[name].zero_grad(set_to_none=True)
         results[name] = {"peak": peak, "error": error}
+
+    for name in list(models):
+        measure(name)
+    notes = []
+    if lora and HF_GC in results:
+        try:
+            models[PLAN], note = _planned(base, batch, results[HF_GC]["peak"], results[PLAIN]["error"])
+            losses[PLAN] = hf_loss
+            notes.append(f"{PLAN}: {note}")
+            measure(PLAN)
+        except Exception as err:
+            failed[PLAN] = error_line(err)
+            models.pop(PLAN, None)
     times, timing_failed = median_times({name: timed(name) for name in models}, device, warmup, rounds)
     failed.update(timing_failed)
-    return _table(lora, layers, tokens, results, times, failed, _trained_bytes(base)), failed
+    table = _table(lora, layers, tokens, results, times, failed, _trained_bytes(base))
+    for note in notes:
+        print(note)
+    return table, failed
+
+
+def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int, bf16_error: float) -> tuple[torch.nn.Module, str]:
+    """The plan row: the loss head on, the decoder layers planned by fastckpt.plan for PLAN_FRACTION of HF GC's
+    whole-step peak (its smallest feasible budget when that is infeasible), each layer's gradient error at
+    most bf16 autocast's own."""
+    from fastckpt.integrations import hf
+
+    model = copy.deepcopy(base)
+    hf.enable(model, loss_head=True)
+    model.get_base_model().activation_checkpointing_disable()  # the planner wraps the layers itself
+
+    def step() -> None:
+        _step(model, batch, hf_loss)
+        model.zero_grad(set_to_none=True)
+
+    with quiet_profiler_logs():  # the planner's CPU memory trace runs the profiler
+        measurements = fastckpt.planner.measure(model, step, repeats=1, max_error=bf16_error)
+    budget = int(PLAN_FRACTION * hf_gc_peak)
+    try:
+        plan = measurements.plan(budget)
+        note = f"budget {budget / 2**20:.1f} MiB ({PLAN_FRACTION:.0%} of HF GC's peak)"
+    except ValueError:
+        budget = measurements.smallest_feasible_budget()
+        plan = measurements.plan(budget)
+        note = f"{PLAN_FRACTION:.0%} of HF GC's peak is infeasible; smallest feasible {budget / 2**20:.1f} MiB"
+    plan.apply()
+    counts = {name: plan.policies.count(name) for name in dict.fromkeys(plan.policies)}
+    return model, note + "; layers: " + ", ".join(f"{count} x {name}" for name, count in counts.items())
 
 
 def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[dict]:
@@ -208,7 +256,7 @@ def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[
     gc, plain = results[HF_GC], results[PLAIN]
     print(f"\n== {name}: {layers} layers, 1 x {tokens} tokens (last quarter padding), bf16 autocast, "
           f"{'LoRA r=8 on ' + '/'.join(LORA_TARGETS) if lora else 'full fine-tune'}")  # fmt: skip
-    header = f"{'config':<36}{'peak MiB':>10}{'x HF GC':>9}{'ms/step':>10}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}"
+    header = f"{'config':<42}{'peak MiB':>10}{'x HF GC':>9}{'ms/step':>10}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}"
     if not lora:
         header += f"{'peak-grads MiB':>16}{'x HF GC':>9}"
     print(header)
@@ -226,14 +274,14 @@ def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[
             row["peak_less_grads_MiB"] = less / 2**20
             row["less_grads_x_hf_gc"] = less / (gc["peak"] - trained_bytes)
         table.append(row)
-        line = (f"{config:<36}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
+        line = (f"{config:<42}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
                 f"{_fmt(row['ms_per_step'], '.0f'):>10}{_fmt(row['time_x_hf_gc'], '.3f'):>9}"
                 f"{row['grad_rel_l2']:>10.2e}{row['error_x_bf16']:>8.2f}")  # fmt: skip
         if not lora:
             line += f"{row['peak_less_grads_MiB']:>16.1f}{row['less_grads_x_hf_gc']:>9.3f}"
         print(line, flush=True)
     for config, error in failed.items():
-        print(f"{config:<36}FAILED: {error}")
+        print(f"{config:<42}FAILED: {error}")
     return table
 
 
