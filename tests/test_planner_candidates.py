@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import hybrid, tiling
+from fastckpt import Policy, hybrid, tiling
 from fastckpt.planner import DEFAULT_CANDIDATES, NONE, Candidate, extended_candidates, parse_candidate
-from fastckpt.policies import Policy
-from tests.test_tiling import AttentionHalf, rel, run
+from tests.helpers import output_and_grads, rel_l2
+from tests.models import AttentionHalf
 
 aten = torch.ops.aten
 
@@ -67,10 +67,10 @@ def test_batch_slices_with_a_selective_candidate():
     module = candidate.wrap(AttentionHalf())
     assert isinstance(module, tiling.TiledWrapper) and (module.chunks, module.dim) == (2, 0)
     x = torch.randn(4, 40, 32)
-    _, plain = run(AttentionHalf(), x)
+    _, plain = output_and_grads(AttentionHalf(), x)
     with fastckpt.track() as report:
-        _, got = run(module, x)
-    assert 0 < rel(got, plain) <= 1e-2
+        _, got = output_and_grads(module, x)
+    assert 0 < rel_l2(got, plain) <= 1e-2
     assert [s.policy for s in report.segments] == ["recompute+int8", "selective-attention:int8"] * 2  # per slice
 
 

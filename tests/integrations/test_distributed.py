@@ -34,6 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import fastckpt
+from tests.helpers import rel_l2
 from tests.multiprocess import run_in_processes
 
 WORLD = 2
@@ -190,10 +191,6 @@ def ddp_results() -> list[dict]:
 def fsdp_results() -> list[dict]:
     pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.6")
     return run_in_processes(_fsdp_body, world_size=WORLD)
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm()).item()
 
 
 def assert_same_on_all_ranks(results: list[dict], name: str) -> dict:
