@@ -12,8 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import fastckpt
-from fastckpt import hybrid
-from fastckpt.engine import kept_ops
+from fastckpt import _compat, hybrid
 from fastckpt.memory import peak_bytes
 from tests.helpers import grads_of, max_rel_l2, needs_sac_hooks, run_blocks
 from tests.models import TransformerBlock
@@ -255,7 +254,7 @@ def test_keep_attention_finds_the_fused_kernel_called_directly_and_inside_multih
 def test_keep_attention_without_redispatch_runs_functional_code_whole_under_the_op_watch(blocks, monkeypatch):
     # A torch that cannot re-enter a function mode (no torch.overrides.redispatch_function): functions of
     # torch.nn.functional run whole under the dispatch mode, so nn.MultiheadAttention's inner SDPA is still kept.
-    monkeypatch.setattr(kept_ops, "_redispatch", None)
+    monkeypatch.setattr(_compat, "torch_function_redispatch", lambda: None)
     model, x, plain = blocks
     ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=hybrid.keep_attention("save")))
     assert all(torch.equal(g, r) for g, r in zip(ours, plain, strict=True))
