@@ -59,8 +59,10 @@ class Probe:
 
 
 PROBES: dict[str, Probe] = {}
-_MISSING = object()
-_cache: dict[str, Any] = {}  # resolved owners and symbols, per probe name
+_MISSING = object()  # what a probe resolves to where torch lacks the symbol (cached like a found one)
+_UNRESOLVED = object()
+_cache: dict[str, Any] = {}  # resolved owners and symbols (or _MISSING), per probe name
+_expected: dict[str, bool] = {}
 _warned: set[str] = set()
 
 
@@ -72,7 +74,7 @@ def _resolve(path: str) -> Any:
         try:
             obj = getattr(obj, part)
             continue
-        except AttributeError:
+        except Exception:  # AttributeError, or what a lazy module attribute's import raises
             pass
         try:  # a submodule torch does not import by itself (torch._functorch.config)
             obj = importlib.import_module(".".join(parts[:index]))
@@ -85,13 +87,13 @@ def _value(name: str) -> Any:
     """The probe's symbol (a live global: its current value), or _MISSING; owners and symbols are cached."""
     probe = PROBES[name]
     if not probe.live:
-        value = _cache.get(name, _MISSING)
-        if value is _MISSING:
+        value = _cache.get(name, _UNRESOLVED)
+        if value is _UNRESOLVED:
             value = _cache[name] = _resolve(probe.path)
         return value
     owner_path, _, attribute = probe.path.rpartition(".")
-    owner = _cache.get(name, _MISSING)
-    if owner is _MISSING:
+    owner = _cache.get(name, _UNRESOLVED)
+    if owner is _UNRESOLVED:
         owner = _cache[name] = _resolve(owner_path)
     return _MISSING if owner is _MISSING else getattr(owner, attribute, _MISSING)
 
@@ -124,7 +126,10 @@ def available(name: str) -> bool:
 
 def expected(name: str) -> bool:
     """Whether this torch is at or after the release the probe's symbol is known from."""
-    return torch.torch_version.TorchVersion(torch.__version__) >= PROBES[name].since
+    known = _expected.get(name)
+    if known is None:
+        known = _expected[name] = torch.torch_version.TorchVersion(torch.__version__) >= PROBES[name].since
+    return known
 
 
 def message(name: str) -> str:
@@ -161,6 +166,7 @@ def missing() -> list[str]:
 def forget() -> None:
     """Drop what was resolved (tests that remove a symbol from torch, and put it back)."""
     _cache.clear()
+    _expected.clear()
     _warned.clear()
 
 
