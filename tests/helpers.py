@@ -21,6 +21,12 @@ needs_sac_hooks = pytest.mark.skipif(
 needs_in_graph_storage = pytest.mark.skipif(
     not compiled.IN_GRAPH_STORAGE, reason=f"storage inside compiled graphs needs torch >= {compiled.TORCH_NEEDED}"
 )
+# torch.compile traces fastckpt.checkpoint without a graph break from 2.14: before, dynamo cannot call
+# ContextVar.get (the default policy, fastckpt.policies.current_policy), checked on 2.5.1 and 2.13.0.
+needs_traced_checkpoint = pytest.mark.skipif(
+    torch.torch_version.TorchVersion(torch.__version__) < "2.14",
+    reason="dynamo traces fastckpt.checkpoint (its default policy is a ContextVar) from torch 2.14",
+)
 
 
 # ---- gradient errors

@@ -6,12 +6,13 @@ import torch
 import fastckpt
 from fastckpt import Policy, hybrid, tiling
 from fastckpt.planner import DEFAULT_CANDIDATES, NONE, Candidate, extended_candidates, parse_candidate
-from tests.helpers import output_and_grads, rel_l2
+from tests.helpers import needs_sac_hooks, output_and_grads, rel_l2
 from tests.models import AttentionHalf
 
 aten = torch.ops.aten
 
 
+@needs_sac_hooks  # selective:<codec> candidates
 def test_parse_candidate():
     assert str(parse_candidate("selective:int4")) == "selective:int4"
     attention = parse_candidate("selective-attention:int8")
@@ -42,7 +43,7 @@ def test_parse_candidate():
         ("batch2:int8", "batch2:int8"),
         ("recompute:int8", None),
         ("int8", None),
-        ("selective:int8", None),
+        pytest.param("selective:int8", None, marks=needs_sac_hooks),
     ],
 )
 def test_batch_candidates_parse(name, expected):
@@ -92,7 +93,8 @@ def test_candidates_are_immutable_and_equal_by_name():
 
 @pytest.mark.parametrize(
     ("name", "kind"),
-    [("int8", fastckpt.CheckpointWrapper), ("selective:int8", hybrid.SelectiveWrapper),
+    [("int8", fastckpt.CheckpointWrapper),
+     pytest.param("selective:int8", hybrid.SelectiveWrapper, marks=needs_sac_hooks),
      ("batch2:recompute", tiling.TiledWrapper)],
 )  # fmt: skip
 def test_a_candidate_wraps_a_module_as_its_grammar_says(name, kind):
