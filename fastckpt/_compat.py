@@ -17,9 +17,9 @@ fastckpt` works whatever torch renamed, and a missing symbol disables only the f
 it; `FLOOR` where every release fastckpt supports has it), the feature and what fastckpt loses without it.
 The comment above each probe says where it was looked for: in the sources of the latest patch release of
 each of torch 2.4 to 2.14 (2.4.1, 2.5.1, 2.6.0, 2.7.1, 2.8.0, 2.9.1, 2.10.0, 2.11.0, 2.12.0, 2.13.0,
-2.14.1), and resolved by this module on 2.14.1 (CI's pin), 2.13.0 and 2.4.1 or 2.5.1. The GPU image's
-2.11.0 was not run since this module exists (no GPU); its sources are among those looked at.
-tests/test_compat.py resolves every probe and makes each fail in turn.
+2.14.1); tests/test_compat.py, which resolves every probe and makes each fail in turn, passed on 2.14.1
+(CI's pin), 2.13.0 and 2.9.1, and the probes resolved as listed on 2.4.1. The GPU image's 2.11.0 has not
+run this module (no GPU since it exists); its sources are among those looked at.
 
 Left as direct imports, at import: `torch.utils._pytree` (tree_flatten, tree_map, ...) and
 `torch.utils._python_dispatch.TorchDispatchMode`, torch's extension points in practice (its public modules,
@@ -40,10 +40,11 @@ from typing import Any
 
 import torch
 
-# pyproject.toml's torch floor: `import fastckpt` needs torch.utils.checkpoint's public selective-checkpoint API
-# (create_selective_checkpoint_contexts, CheckpointPolicy), which 2.4.1 lacks; everything else it uses
-# unguarded is in 2.4.1 already (torch.library.register_fake, torch.get_autocast_dtype, ...).
-FLOOR = "2.5"
+# pyproject.toml's torch floor, the oldest release the suite passes on (2.14-only features skipped): 2.9.1.
+# Before it, torch.utils.checkpoint's global early-stop switch is True unless set (None from 2.9), so it
+# overrode fastckpt.checkpoint's early_stop=False (2.5.1: two tests fail, and a recomputation on the meta
+# device cannot fork its RNG); 2.4.1 cannot even `import fastckpt` (no public selective-checkpoint API).
+FLOOR = "2.9"
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ def graph_exec_group() -> Any:
 # From 2.8.0; not in 2.4.1-2.7.1.
 @_probe(
     "torch._C._autograd._top_saved_tensors_default_hooks",
-    since="2.8",
+    since=FLOOR,
     feature="seeing the caller's saved-tensor hooks from inside a checkpoint (selective checkpointing's "
     "respect_saved_tensors_hooks, hybrid.selective with a codec store)",
     without="Without it the hooks around a checkpoint are not found past its own (torch < 2.14 behaviour), "
@@ -221,7 +222,7 @@ def checkpoint_debug_enabled() -> Any:
     """torch.utils.checkpoint._checkpoint_debug_enabled: the global debug switch (None: not set)."""
 
 
-# In every release looked at (2.4.1 to 2.14.1).
+# In every release looked at (2.4.1 to 2.14.1); None unless set from 2.9.1 on, True before (see FLOOR).
 @_probe(
     "torch.utils.checkpoint._enable_checkpoint_early_stop",
     since=FLOOR,

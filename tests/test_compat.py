@@ -2,11 +2,10 @@
 expected missing on it), importing fastckpt resolves none, and a probe made to fail (its symbol renamed)
 disables only its feature, with a message naming the feature, the symbol and the release.
 
-Expected missing on older releases (each probe's `since`; the parametrized test skips them there):
-  2.5-2.7   top_saved_tensors_default_hooks
-  2.5-2.9   graph_exec_group, saved_tensor_hook_context, fx_annotate
-  2.5-2.12  redispatch_function, skip_one_hop_torch_function
-  2.5-2.13  current_user_saved_tensors_hooks (so on the GPU image's 2.11 too)
+Expected missing on the releases from the floor (2.9) on (each probe's `since`; the test skips them there):
+  2.9       graph_exec_group, saved_tensor_hook_context, fx_annotate
+  2.9-2.12  redispatch_function, skip_one_hop_torch_function
+  2.9-2.13  current_user_saved_tensors_hooks (so on the GPU image's 2.11 too)
 """
 
 from __future__ import annotations
