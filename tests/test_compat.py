@@ -60,12 +60,13 @@ def test_fastckpt_reaches_private_torch_symbols_only_through_compat():
         r"torch\._C\._|torch\._functorch|torch\._prims|_python_dispatch import _|torch\.utils\._device"
         r"|_get_current_function_mode_stack|checkpoint\._[a-z]|\"_initialized\""
     )
-    # compiled.py is being reorganised by its owner; its four symbols have probes to switch to.
-    allowed = {"_compat.py", "compiled.py"}
+    # fastckpt.compile's modules are being reorganised by their owner (compiled.py, and storage/graph.py on main
+    # since): their four symbols have probes to switch to, after which they leave this set.
+    allowed = {"fastckpt/_compat.py", "fastckpt/compiled.py", "fastckpt/storage/graph.py"}
     offenders = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
         for path in sorted((ROOT / "fastckpt").rglob("*.py"))
-        if path.name not in allowed
+        if str(path.relative_to(ROOT)) not in allowed
         for number, line in enumerate(path.read_text().splitlines(), 1)
         if private.search(line) and not line.lstrip().startswith(("#", '"', 'f"'))
     ]
