@@ -87,11 +87,11 @@ def main(
     torch._dynamo.config.recompile_limit = max(limit, 2 * len(candidates))
     start = time.perf_counter()
     try:
-        torch._dynamo.reset()
+        torch.compiler.reset()
         results = measure_workload(workload, dev, candidates, warmup, rounds)
     finally:
         torch._dynamo.config.recompile_limit = limit
-        torch._dynamo.reset()
+        torch.compiler.reset()
     rows = rows_of(workload, results)
     print(f"{workload.description}; backend {backend}; 'x stock' vs {COMPILED_STOCK}")
     print(report.text_table(rows))

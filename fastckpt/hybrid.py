@@ -40,9 +40,9 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
-import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from fastckpt import _compat
 from fastckpt.api import CheckpointWrapper, checkpoint
 from fastckpt.engine import kept_ops
 from fastckpt.policies import Policy, error_reason
@@ -86,8 +86,14 @@ def keep_attention(store: str | Policy | None = "int8") -> Selective:
 
 
 def _sac_honours_hooks() -> bool:
-    """True when this torch's SAC can route what it caches through saved-tensor hooks (torch >= 2.14)."""
-    return hasattr(torch_checkpoint, "_current_user_saved_tensors_hooks")
+    """True when this torch's SAC can route what it caches through saved-tensor hooks (torch >= 2.14), and
+    fastckpt can find the hooks it routes them to."""
+    if _compat.current_user_saved_tensors_hooks() is None:
+        return False
+    if _compat.top_saved_tensors_default_hooks() is None:
+        _compat.warn_missing("top_saved_tensors_default_hooks")
+        return False
+    return True
 
 
 class Selective:
@@ -309,7 +315,7 @@ class _SelectiveForward:
                 "fastckpt.checkpoint: respect_saved_tensors_hooks=False keeps what selective checkpointing saves away "
                 f"from saved-tensor hooks, so {self.label!r} cannot store it; pass True or leave it None"
             )
-        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        top = _compat.require("top_saved_tensors_default_hooks")(False)
         if top is None or not getattr(top[0], "_checkpoint_internal", False):
             raise RuntimeError(
                 f"fastckpt.hybrid.selective ({self.label}): its contexts must be entered by a non-reentrant "

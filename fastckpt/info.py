@@ -7,7 +7,7 @@ from importlib import metadata
 import torch
 
 import fastckpt
-from fastckpt import _extension
+from fastckpt import _compat, _extension
 
 DISPATCH_KEYS = ("CPU", "CUDA")
 INTEGRATION_PACKAGES = ("transformers", "peft", "accelerate", "deepspeed")  # see fastckpt.integrations
@@ -26,15 +26,14 @@ def integration_versions() -> dict[str, str | None]:
 
 def registered_ops() -> list[str]:
     """Names of all operators in the fastckpt namespace (empty when fastckpt._C was not imported)."""
-    return sorted(name for name in torch._C._dispatch_get_all_op_names() if name.startswith("fastckpt::"))
+    all_op_names = _compat.require("dispatch_get_all_op_names")
+    return sorted(name for name in all_op_names() if name.startswith("fastckpt::"))
 
 
 def kernels_by_op() -> dict[str, dict[str, bool]]:
     """For each fastckpt op, whether a kernel is registered per dispatch key."""
-    return {
-        op: {key: torch._C._dispatch_has_kernel_for_dispatch_key(op, key) for key in DISPATCH_KEYS}
-        for op in registered_ops()
-    }
+    has_kernel = _compat.require("dispatch_has_kernel_for_dispatch_key")
+    return {op: {key: has_kernel(op, key) for key in DISPATCH_KEYS} for op in registered_ops()}
 
 
 def module_status() -> dict[str, str]:
@@ -64,7 +63,10 @@ def report() -> str:
         # Asking for the GPU count initialises CUDA only here, never at `import fastckpt`.
         f"{'GPUs visible':<22}{torch.cuda.device_count() if torch.cuda.is_available() else 0}",
     ]
-    kernels = kernels_by_op()
+    try:
+        kernels = kernels_by_op()
+    except RuntimeError as error:  # a torch without the dispatcher queries (fastckpt._compat)
+        return "\n".join([*lines, "", str(error)])
     width = max([32, *(len(op) + 2 for op in kernels)])
     lines += ["", f"{'op':<{width}}" + "".join(f"{key:>6}" for key in DISPATCH_KEYS)]
     for op, keys in kernels.items():

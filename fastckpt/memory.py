@@ -15,7 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch._C._profiler import _ExtraFields_Allocation as _Allocation
+
+from fastckpt import _compat
 
 _MARK = "fastckpt.memory.mark:"
 
@@ -48,6 +49,9 @@ class MemoryTrace:
             self._base = torch.cuda.memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
+            # Checked before the step runs: a torch without these cannot replay what the profiler recorded.
+            _compat.require("profiler_allocation_fields")
+            _compat.require("profiler_event_tree")
             self._profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
             )
@@ -86,13 +90,14 @@ class MemoryTrace:
 
 def _replay(profiler: torch.profiler.profile, keys: list[str]) -> list[Point]:
     """Points (in mark order) from the profiler's allocation records and mark ranges, replayed in time order."""
+    allocation = _compat.require("profiler_allocation_fields")
     events = []  # (time ns, kind: 0 mark / 1 allocation record, mark index or (address, bytes))
     stack = list(profiler.profiler.kineto_results.experimental_event_tree())
     while stack:
         event = stack.pop()
         stack.extend(event.children)
         fields = event.extra_fields
-        if isinstance(fields, _Allocation):
+        if isinstance(fields, allocation):
             if fields.device.type == "cpu":
                 events.append((event.start_time_ns, 1, (fields.ptr, fields.alloc_size)))
         elif event.name.startswith(_MARK):

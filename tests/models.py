@@ -65,6 +65,32 @@ class KwargsModel(nn.Module):
         return {"y": y, "norm": y.norm(), "label": extras["label"], "count": int(y.shape[0])}
 
 
+class AttentionHalf(torch.nn.Module):
+    """x + attention(norm(x)): mixes the tokens of a sample, never two samples."""
+
+    def __init__(self, width: int = 32, heads: int = 2) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.norm = torch.nn.LayerNorm(width)
+        self.attn = torch.nn.MultiheadAttention(width, heads, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+def pointwise_chain(x: torch.Tensor) -> torch.Tensor:
+    """The engine tests' smallest segment: three pointwise ops, each saving a tensor for backward."""
+    return x.sin().exp().cos()
+
+
+def seeded(model_cls: type[nn.Module], seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    """`model_cls()` in train mode and an input for it (make_input), both drawn from RNG seed `seed`."""
+    torch.manual_seed(seed)
+    model = model_cls().train()
+    return model, make_input(model)
+
+
 def make_input(model: nn.Module, batch: int = 4) -> torch.Tensor:
     if isinstance(model, SmallCNN):
         return torch.randn(batch, 3, 8, 8)

@@ -12,20 +12,17 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import fastckpt
 from fastckpt import compiled
 from fastckpt.memory import peak_bytes
+from tests.helpers import needs_in_graph_storage, needs_traced_checkpoint, rel_l2
 
-# Storage inside compiled graphs is trusted on the torch release it was checked with (fastckpt.compiled).
-in_graph = pytest.mark.skipif(
-    not compiled.IN_GRAPH_STORAGE, reason=f"storage inside compiled graphs needs torch >= {compiled.TORCH_NEEDED}"
-)
 BOUNDS = {"int8": 1e-2, "recompute+int8": 1e-2, "fp8": 5e-2, "int4": 0.1}
 
 
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled._warned.clear()
     yield
-    torch._dynamo.reset()
+    torch.compiler.reset()
 
 
 class Block(torch.nn.Module):
@@ -62,10 +59,6 @@ def gradients(blocks, step, x, seed: int = 1):
     return torch.cat([p.grad.flatten() for p in blocks.parameters()])
 
 
-def rel_l2(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
 def inputs(device: str = "cpu"):
     torch.manual_seed(2)
     return torch.randn(4, 32, 64, device=device, requires_grad=True)
@@ -82,6 +75,7 @@ def test_import_fastckpt_alone_registers_the_fake_kernels():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+@needs_traced_checkpoint
 @pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("dropout", [0.0, 0.2])
 def test_recompute_is_traced_without_graph_break_and_matches_torch_checkpoint(use_reentrant, dropout):
@@ -89,14 +83,15 @@ def test_recompute_is_traced_without_graph_break_and_matches_torch_checkpoint(us
     ours = step_fn(blocks, fastckpt.checkpoint, use_reentrant=use_reentrant)
     explained = torch._dynamo.explain(ours)(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1
-    torch._dynamo.reset()
+    torch.compiler.reset()
     got = gradients(blocks, torch.compile(ours, fullgraph=True, backend="aot_eager"), x)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     theirs = step_fn(blocks, torch.utils.checkpoint.checkpoint, use_reentrant=use_reentrant)
     expected = gradients(blocks, torch.compile(theirs, fullgraph=True, backend="aot_eager"), x)
     assert torch.equal(got, expected)
 
 
+@needs_traced_checkpoint
 def test_selective_checkpoint_context_fn_under_compile_matches_torch():
     def save_matmuls(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op is torch.ops.aten.addmm.default else CheckpointPolicy.PREFER_RECOMPUTE
@@ -110,13 +105,13 @@ def test_selective_checkpoint_context_fn_under_compile_matches_torch():
         torch.compile(step_fn(blocks, fastckpt.checkpoint, context_fn=context_fn), fullgraph=True, backend="aot_eager"),
         x,
     )
-    torch._dynamo.reset()
+    torch.compiler.reset()
     theirs = step_fn(blocks, torch.utils.checkpoint.checkpoint, use_reentrant=False, context_fn=context_fn)
     expected = gradients(blocks, torch.compile(theirs, fullgraph=True, backend="aot_eager"), x)
     assert torch.equal(got, expected)
 
 
-@in_graph
+@needs_in_graph_storage
 @pytest.mark.parametrize("policy", ["int8", "fp8", "int4", "recompute+int8"])
 def test_storage_policy_inside_one_compiled_graph(policy):
     blocks, x = make_stack(), inputs()
@@ -135,14 +130,14 @@ def test_storage_policy_inside_one_compiled_graph(policy):
     assert "total:" in step.fastckpt_storage.table()
 
 
-@in_graph
+@needs_in_graph_storage
 @pytest.mark.parametrize("policy", ["recompute", "recompute+int8"])
 def test_dropout_recomputed_inside_the_region(policy):
     # Recomputed random ops save their RNG state; torch's hook inlining loses it unless fastckpt renames it.
     blocks, x = make_stack(dropout=0.2), inputs()
     step = fastckpt.compile(step_fn(blocks, fastckpt.checkpoint, policy=policy), fullgraph=True, backend="aot_eager")
     got = gradients(blocks, step, x)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     theirs = step_fn(blocks, torch.utils.checkpoint.checkpoint, use_reentrant=False)
     expected = gradients(blocks, torch.compile(theirs, fullgraph=True, backend="aot_eager"), x)
     if policy == "recompute":
@@ -151,7 +146,7 @@ def test_dropout_recomputed_inside_the_region(policy):
         assert 0 < rel_l2(got, expected) <= BOUNDS[policy]
 
 
-@in_graph
+@needs_in_graph_storage
 def test_dynamic_shapes_one_graph_for_every_sequence_length():
     blocks = make_stack()
     step = fastckpt.compile(step_fn(blocks, fastckpt.checkpoint, policy="int8"), dynamic=True, backend="aot_eager")
@@ -165,7 +160,7 @@ def test_dynamic_shapes_one_graph_for_every_sequence_length():
     assert "total:" in step.fastckpt_storage.table()
 
 
-@in_graph
+@needs_in_graph_storage
 def test_compiled_int8_segments_lower_the_peak():
     blocks = make_stack(depth=4)
     x = torch.randn(8, 256, 64, requires_grad=True)
@@ -175,12 +170,12 @@ def test_compiled_int8_segments_lower_the_peak():
         return peak_bytes(lambda: step(x).backward())
 
     plain = peak(torch.compile(step_fn(blocks, None), backend="aot_eager"))
-    torch._dynamo.reset()
+    torch.compiler.reset()
     int8 = peak(fastckpt.compile(step_fn(blocks, fastckpt.checkpoint, policy="int8"), backend="aot_eager"))
     assert int8 < 0.6 * plain
 
 
-@in_graph
+@needs_in_graph_storage
 def test_region_policy_stores_every_saved_activation():
     blocks, x = make_stack(), inputs()
     plain = gradients(blocks, step_fn(blocks, None), x)
@@ -191,7 +186,7 @@ def test_region_policy_stores_every_saved_activation():
     assert big and all(s.stored_as == "int8" for s in big)
 
 
-@in_graph
+@needs_in_graph_storage
 def test_segments_override_the_region_policy():
     blocks, x = make_stack(), inputs()
 
@@ -205,7 +200,7 @@ def test_segments_override_the_region_policy():
     assert stored == {"int4", "int8"}
 
 
-@in_graph
+@needs_in_graph_storage
 def test_eager_parts_inside_the_region_follow_the_region_policy():
     blocks, x = make_stack(), inputs()
 
@@ -227,7 +222,7 @@ def test_eager_parts_inside_the_region_follow_the_region_policy():
     assert not report.segments
 
 
-@in_graph
+@needs_in_graph_storage
 def test_module_compiles_like_torch_compile():
     blocks = make_stack()
     model = torch.nn.Sequential(*blocks)
@@ -241,7 +236,7 @@ def test_module_compiles_like_torch_compile():
     assert compiled_model.fastckpt_storage.saved and not hasattr(model, "fastckpt_storage")
 
 
-@in_graph
+@needs_in_graph_storage
 def test_storage_policy_under_torch_compile_runs_eagerly_with_one_warning():
     blocks, x = make_stack(), inputs()
     eager = gradients(blocks, step_fn(blocks, fastckpt.checkpoint, policy="int8"), x)
@@ -253,7 +248,7 @@ def test_storage_policy_under_torch_compile_runs_eagerly_with_one_warning():
     assert torch.equal(got, eager)
 
 
-@in_graph
+@needs_in_graph_storage
 @pytest.mark.parametrize(
     ("policy", "named"),
     [
@@ -285,7 +280,14 @@ def test_torch_without_in_graph_storage_falls_back_naming_the_version(monkeypatc
 
 @pytest.mark.parametrize(
     "policy",
-    ["recompute", "save", "offload", "recompute+int8", fastckpt.Policy(recompute=False, codec="int8", rule=str)],
+    [
+        "recompute",
+        "save",
+        "offload",
+        "recompute+int8",
+        # refused for its rule where storage inside graphs is possible; before that, fastckpt.compile is refused
+        pytest.param(fastckpt.Policy(recompute=False, codec="int8", rule=str), marks=needs_in_graph_storage),
+    ],
 )
 def test_compile_rejects_region_policies_it_cannot_apply(policy):
     with pytest.raises(ValueError, match="fastckpt.compile: policy"):
@@ -299,7 +301,7 @@ def test_storage_options_meant_for_recompute_still_raise_under_compile():
         step(x)
 
 
-@in_graph
+@needs_in_graph_storage
 @pytest.mark.slow
 def test_same_graph_under_another_policy_is_compiled_again_not_served_from_cache():
     # AOTAutograd's cache key does not see the policy annotations: int4 got int8's compiled graph (measured).
@@ -312,16 +314,16 @@ def test_same_graph_under_another_policy_is_compiled_again_not_served_from_cache
     assert errors["int4"] > 3 * errors["int8"]
 
 
-@in_graph
+@needs_in_graph_storage
 @pytest.mark.slow
 def test_inductor_cpu_recompute_matches_torch_and_int8_stays_in_bounds():
     blocks, x = make_stack(), inputs()
     plain = gradients(blocks, step_fn(blocks, None), x)
     got = gradients(blocks, torch.compile(step_fn(blocks, fastckpt.checkpoint), fullgraph=True), x)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     theirs = step_fn(blocks, torch.utils.checkpoint.checkpoint, use_reentrant=False)
     assert torch.equal(got, gradients(blocks, torch.compile(theirs, fullgraph=True), x))
-    torch._dynamo.reset()
+    torch.compiler.reset()
     step = fastckpt.compile(step_fn(blocks, fastckpt.checkpoint, policy="int8"), fullgraph=True)
     assert 0 < rel_l2(gradients(blocks, step, x), plain) <= BOUNDS["int8"]
 
@@ -330,12 +332,12 @@ def test_inductor_cpu_recompute_matches_torch_and_int8_stays_in_bounds():
 def test_cuda_inductor_recompute_matches_torch_checkpoint():
     blocks, x = make_stack(dropout=0.1, device="cuda"), inputs("cuda")
     got = gradients(blocks, torch.compile(step_fn(blocks, fastckpt.checkpoint), fullgraph=True), x)
-    torch._dynamo.reset()
+    torch.compiler.reset()
     theirs = step_fn(blocks, torch.utils.checkpoint.checkpoint, use_reentrant=False)
     assert torch.equal(got, gradients(blocks, torch.compile(theirs, fullgraph=True), x))
 
 
-@in_graph
+@needs_in_graph_storage
 @pytest.mark.cuda
 @pytest.mark.parametrize("policy", ["int8", "int4"])
 def test_cuda_inductor_storage(policy):

@@ -18,6 +18,8 @@ import warnings
 import pytest
 import torch
 
+from tests.helpers import num_threads
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
@@ -57,11 +59,10 @@ def needs_newer_torch(code: str) -> str | None:
 def isolated():
     """Each block starts from the same seed and leaves no global state behind (DeepSpeed settings, a process
     group, compiled graphs, torch's thread count)."""
-    threads = torch.get_num_threads()
     torch.manual_seed(0)
-    yield
-    torch.set_num_threads(threads)
-    torch._dynamo.reset()
+    with num_threads():
+        yield
+    torch.compiler.reset()
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
     import sys

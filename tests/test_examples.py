@@ -64,7 +64,8 @@ def test_recompute_is_bit_identical_to_plain(run, mode):
 def test_int8_forward_is_exact_and_training_close(run):
     """No gradient bound here: at initialization this CNN's batch gradient is mostly cancellation (uniform input
     noise of 1e-4 already moves it by 2%, and int8's rounding by 5%), so a relative gradient bound would measure
-    the model, not the codec; the codec's accuracy is tested in tests/storage and tests/engine/test_distributed.py."""
+    the model, not the codec; the codec's accuracy is tested in tests/storage and
+    tests/integrations/test_distributed.py."""
     results, _ = run
     plain, int8 = results["plain"], results["fastckpt:int8"]
     assert int8["losses"][0] == plain["losses"][0]  # a storage policy changes only what backward reads

@@ -12,15 +12,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 import fastckpt
-from fastckpt import hybrid
-from fastckpt.engine import kept_ops
+from fastckpt import _compat, hybrid
 from fastckpt.memory import peak_bytes
+from tests.helpers import grads_of, max_rel_l2, needs_sac_hooks, run_blocks
 from tests.models import TransformerBlock
 
 aten = torch.ops.aten
-needs_hooks = pytest.mark.skipif(
-    not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14"
-)
 
 
 class OpCounter(TorchDispatchMode):
@@ -51,7 +48,7 @@ def backward_ops(run) -> collections.Counter:
     return counter.counts
 
 
-@needs_hooks
+@needs_sac_hooks
 def test_saved_outputs_are_stored_through_the_codec_and_not_recomputed():
     with fastckpt.track() as report:
         counts = backward_ops(lambda x: fastckpt.checkpoint(chain, x, context_fn=hybrid.selective([aten.mm])))
@@ -67,17 +64,8 @@ def test_saved_outputs_are_stored_through_the_codec_and_not_recomputed():
 
 
 def _grads(model: nn.Module, x: torch.Tensor, segment) -> list[torch.Tensor]:
-    model.zero_grad(set_to_none=True)
-    torch.manual_seed(7)  # the same dropout masks in every run
-    h = x
-    for block in model:
-        h = segment(block, h)
-    h.pow(2).mean().backward()
-    return [p.grad.clone() for p in model.parameters()]
-
-
-def _rel(grads, reference) -> float:
-    return max(((g - r).norm() / r.norm()).item() for g, r in zip(grads, reference, strict=True))
+    # seed 7: the same dropout masks in every run
+    return grads_of(model, lambda: run_blocks(model, x, segment), seed=7, loss=lambda h: h.pow(2).mean())
 
 
 @pytest.fixture(scope="module")
@@ -88,14 +76,14 @@ def blocks():
     return model, x, _grads(model, x, lambda block, h: block(h))
 
 
-@needs_hooks
+@needs_sac_hooks
 @pytest.mark.parametrize("policy", ["recompute", "recompute+int8", "recompute:int8"])
 def test_gradients_on_a_transformer_block_are_within_int8_error(blocks, policy):
     model, x, plain = blocks
     context_fn = hybrid.selective(store="int8")
     with fastckpt.track() as report:
         ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, policy=policy, context_fn=context_fn))
-    assert 0 < _rel(ours, plain) <= 1e-2  # int8 noise present, and small
+    assert 0 < max_rel_l2(ours, plain) <= 1e-2  # int8 noise present, and small
     labels = {s.policy for s in report.segments}
     assert "selective:int8" in labels
     if policy == "recompute:int8":
@@ -109,7 +97,7 @@ def test_store_save_is_torchs_selective_checkpointing_bit_for_bit(blocks):
     assert all(torch.equal(g, r) for g, r in zip(ours, plain, strict=True))
 
 
-@needs_hooks
+@needs_sac_hooks
 def test_torch_checkpoint_takes_it_too(blocks):
     model, x, plain = blocks
     context_fn = hybrid.selective(store="int8")
@@ -117,11 +105,11 @@ def test_torch_checkpoint_takes_it_too(blocks):
         ours = _grads(
             model, x, lambda block, h: torch_checkpoint.checkpoint(block, h, use_reentrant=False, context_fn=context_fn)
         )
-    assert 0 < _rel(ours, plain) <= 1e-2
+    assert 0 < max_rel_l2(ours, plain) <= 1e-2
     assert [s.policy for s in report.segments] == ["selective:int8"] * 2
 
 
-@needs_hooks
+@needs_sac_hooks
 def test_a_policy_function_and_op_overloads_select_what_is_saved():
     def only_first_mm(ctx, op, *args, **kwargs):
         chosen = op is aten.mm.default and args[1] is W1
@@ -134,7 +122,7 @@ def test_a_policy_function_and_op_overloads_select_what_is_saved():
         assert kept.tensors == (1 if save is only_first_mm else 2)
 
 
-@needs_hooks
+@needs_sac_hooks
 def test_kept_outputs_take_less_memory_than_torchs_selective_checkpointing():
     torch.manual_seed(0)
     model = nn.Sequential(*(TransformerBlock(dim=64, heads=4, dropout=0.0) for _ in range(3)))
@@ -157,7 +145,7 @@ def test_kept_outputs_take_less_memory_than_torchs_selective_checkpointing():
     assert sac - int8 > 0.5 * (sac - stock)  # most of what SAC keeps is gone
 
 
-@needs_hooks
+@needs_sac_hooks
 def test_the_callers_hooks_see_the_inputs_only():
     seen = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(tuple(t.shape)) or t, lambda t: t):
@@ -185,6 +173,7 @@ def test_create_selective_checkpoint_contexts_works_with_input_storage():
     assert 0 < ((ours - plain).norm() / plain.norm()).item() <= 1e-2
 
 
+@needs_sac_hooks
 def test_wrap_keeps_the_state_dict_and_stores_through_the_codec():
     torch.manual_seed(0)
     block = TransformerBlock(dim=64, heads=4)
@@ -199,7 +188,7 @@ def test_wrap_keeps_the_state_dict_and_stores_through_the_codec():
     assert all(p.grad is not None for p in block.parameters())
 
 
-@needs_hooks
+@needs_sac_hooks
 def test_attention_only_keeps_the_attention_kernel_out_of_the_recomputation():
     torch.manual_seed(0)
     model = nn.Sequential(TransformerBlock(dim=64, heads=4, dropout=0.0))  # no dropout: the fused kernel runs
@@ -222,7 +211,7 @@ def test_attention_only_keeps_the_attention_kernel_out_of_the_recomputation():
         out.pow(2).mean().backward()
     assert counter.counts[sdpa] == 1  # plain recomputation reruns the kernel
     ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=context_fn))
-    assert 0 < _rel(ours, plain) <= 1e-2
+    assert 0 < max_rel_l2(ours, plain) <= 1e-2
 
 
 def test_keep_attention_is_exact_and_recomputes_no_kernel_and_draws_nothing(blocks):
@@ -266,7 +255,7 @@ def test_keep_attention_finds_the_fused_kernel_called_directly_and_inside_multih
 def test_keep_attention_without_redispatch_runs_functional_code_whole_under_the_op_watch(blocks, monkeypatch):
     # A torch that cannot re-enter a function mode (no torch.overrides.redispatch_function): functions of
     # torch.nn.functional run whole under the dispatch mode, so nn.MultiheadAttention's inner SDPA is still kept.
-    monkeypatch.setattr(kept_ops, "_redispatch", None)
+    monkeypatch.setattr(_compat, "torch_function_redispatch", lambda: None)
     model, x, plain = blocks
     ours = _grads(model, x, lambda block, h: fastckpt.checkpoint(block, h, context_fn=hybrid.keep_attention("save")))
     assert all(torch.equal(g, r) for g, r in zip(ours, plain, strict=True))
@@ -368,7 +357,12 @@ def test_attention_only_on_cuda_reruns_no_attention_kernel(form):
         (lambda: hybrid.selective(within=[]), ValueError, "`within` is empty"),
         (lambda: hybrid.selective(lambda *a: True, within=[torch.relu]), TypeError, "not a policy function"),
         (lambda: hybrid.wrap(nn.Linear(2, 2), lambda: None), TypeError, "`context_fn` must be"),
-        (lambda: hybrid.wrap(nn.Linear(2, 2), hybrid.selective(), policy="int8"), ValueError, "needs a recompute"),
+        pytest.param(
+            lambda: hybrid.wrap(nn.Linear(2, 2), hybrid.selective(), policy="int8"),  # selective(): store='int8'
+            ValueError,
+            "needs a recompute",
+            marks=needs_sac_hooks,
+        ),
     ],
 )
 def test_bad_arguments_are_named(call, error, message):
@@ -376,7 +370,7 @@ def test_bad_arguments_are_named(call, error, message):
         call()
 
 
-@needs_hooks
+@needs_sac_hooks
 def test_misuse_is_refused_with_the_argument_named():
     x = torch.randn(256, 64, requires_grad=True)
     context_fn = hybrid.selective([aten.mm])

@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastckpt
-from fastckpt import hybrid
-from fastckpt.api import CheckpointWrapper
+from fastckpt import CheckpointWrapper, hybrid
 from fastckpt.memory import MemoryTrace, peak_bytes
 from fastckpt.planner import (
     DEFAULT_CANDIDATES,
@@ -35,6 +34,7 @@ from fastckpt.planner.measurement import segment_seconds
 from fastckpt.planner.model import fastest_within, predicted_peak, smallest_peak
 from fastckpt.storage import codecs
 from fastckpt.tiling import TiledWrapper
+from tests.helpers import needs_sac_hooks
 
 
 class Block(nn.Module):
@@ -188,7 +188,7 @@ def test_fastckpt_plan_in_one_call():
     assert not plan.applied and all(isinstance(b, Block) for b in model.blocks)  # measuring left the model as it was
 
 
-@pytest.mark.skipif(not hybrid._sac_honours_hooks(), reason="SAC routes saved outputs through hooks from torch 2.14")
+@needs_sac_hooks
 def test_selective_candidate_is_measured_planned_and_applied():
     model, step = make(layers=3)
     measurements = measure(model, step, candidates=["recompute", "selective:int8", "int8"], repeats=1)

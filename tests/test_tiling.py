@@ -5,6 +5,8 @@ import torch
 
 import fastckpt
 from fastckpt.memory import peak_bytes
+from tests.helpers import output_and_grads, rel_l2
+from tests.models import AttentionHalf
 
 
 def mlp(width: int = 32, dropout: float = 0.0) -> torch.nn.Module:
@@ -18,26 +20,13 @@ def mlp(width: int = 32, dropout: float = 0.0) -> torch.nn.Module:
     )
 
 
-def run(module, x, **checkpoint_kwargs):
-    """Output and (input, parameter) gradients of sum(module(x)^2)."""
-    module.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_(True)
-    y = fastckpt.checkpoint(module, x, **checkpoint_kwargs) if checkpoint_kwargs else module(x)
-    y.pow(2).sum().backward()
-    return y.detach(), torch.cat([x.grad.flatten(), *(p.grad.flatten() for p in module.parameters())])
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
-
-
 @pytest.mark.parametrize(("chunks", "dim"), [(4, 1), (3, 1), (2, 0), (1, 1)])
 def test_same_output_and_gradients_as_untiled(chunks, dim):
     x = torch.randn(4, 48, 32)
-    y, grads = run(mlp(), x)
-    y_tiled, grads_tiled = run(fastckpt.tiled(mlp(), chunks, dim=dim), x)
+    y, grads = output_and_grads(mlp(), x)
+    y_tiled, grads_tiled = output_and_grads(fastckpt.tiled(mlp(), chunks, dim=dim), x)
     torch.testing.assert_close(y_tiled, y, rtol=0, atol=0)  # each position computed alone, as untiled
-    assert rel(grads_tiled, grads) < 1e-6  # parameter gradients summed over chunks: another order
+    assert rel_l2(grads_tiled, grads) < 1e-6  # parameter gradients summed over chunks: another order
 
 
 def test_backward_holds_one_chunk_of_activations():
@@ -58,29 +47,29 @@ def test_inside_outer_hooks_that_copy_what_they_pack():
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(128, 512), torch.nn.GELU(), torch.nn.Linear(512, 128))
     x = torch.randn(2, 256, 128)
-    _, plain = run(module, x)
+    _, plain = output_and_grads(module, x)
     tiled = fastckpt.tiled(module, 4)
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
-        _, copied = run(tiled, x)
-    assert rel(copied, plain) < 1e-6
-    _, got = run(tiled, x, policy="int8")
-    assert 0 < rel(got, plain) <= 1e-2
+        _, copied = output_and_grads(tiled, x)
+    assert rel_l2(copied, plain) < 1e-6
+    _, got = output_and_grads(tiled, x, policy="int8")
+    assert 0 < rel_l2(got, plain) <= 1e-2
 
 
 def test_chunk_policy_with_a_codec_on_the_inputs():
     x = torch.randn(2, 512, 32)
-    _, plain = run(mlp(), x)
-    _, got = run(fastckpt.tiled(mlp(), 4, policy="recompute+int8"), x)
-    assert 0 < rel(got, plain) <= 1e-2
+    _, plain = output_and_grads(mlp(), x)
+    _, got = output_and_grads(fastckpt.tiled(mlp(), 4, policy="recompute+int8"), x)
+    assert 0 < rel_l2(got, plain) <= 1e-2
 
 
 def test_dropout_masks_are_replayed_per_chunk():
     module = fastckpt.tiled(mlp(dropout=0.5), 4)
     x = torch.randn(2, 64, 32)
     torch.manual_seed(3)
-    first = run(module, x)
+    first = output_and_grads(module, x)
     torch.manual_seed(3)
-    again = run(module, x)
+    again = output_and_grads(module, x)
     assert torch.equal(first[1], again[1])  # recomputation replays each chunk's RNG state
 
 
@@ -127,27 +116,13 @@ def test_bad_modules_and_inputs_are_named():
         fastckpt.tiled(mlp(), 2)([torch.randn(2, 4, 32)])
 
 
-class AttentionHalf(torch.nn.Module):
-    """x + attention(norm(x)): mixes the tokens of a sample, never two samples."""
-
-    def __init__(self, width: int = 32, heads: int = 2) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.norm = torch.nn.LayerNorm(width)
-        self.attn = torch.nn.MultiheadAttention(width, heads, batch_first=True)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x)
-        return x + self.attn(h, h, h, need_weights=False)[0]
-
-
 @pytest.mark.parametrize("chunks", [2, 3])
 def test_attention_along_the_batch_gives_the_untiled_result(chunks):
     x = torch.randn(4, 40, 32)
-    y, grads = run(AttentionHalf(), x)
-    y_tiled, grads_tiled = run(fastckpt.tiled(AttentionHalf(), chunks, dim=0, policy="recompute"), x)
+    y, grads = output_and_grads(AttentionHalf(), x)
+    y_tiled, grads_tiled = output_and_grads(fastckpt.tiled(AttentionHalf(), chunks, dim=0, policy="recompute"), x)
     torch.testing.assert_close(y_tiled, y, rtol=1e-6, atol=1e-6)  # each sample attends to its own tokens
-    assert rel(grads_tiled, grads) < 1e-5
+    assert rel_l2(grads_tiled, grads) < 1e-5
 
 
 def test_attention_along_the_batch_holds_one_slice_in_backward():
@@ -172,10 +147,10 @@ def test_storage_policy_slices_keep_as_much_and_hold_one_slice_in_backward():
     whole = peak_bytes(step(fastckpt.wrap(module, "int8")))
     sliced = peak_bytes(step(fastckpt.tiled(module, 4, dim=0, policy="int8")))
     assert sliced < 0.8 * whole  # same int8 bytes kept, a quarter of the decoded tensors and gradients
-    _, plain = run(AttentionHalf(64), x)
+    _, plain = output_and_grads(AttentionHalf(64), x)
     with fastckpt.track() as report:
-        _, got = run(fastckpt.tiled(AttentionHalf(64), 4, dim=0, policy="int8"), x)
-    assert 0 < rel(got, plain) <= 1e-2
+        _, got = output_and_grads(fastckpt.tiled(AttentionHalf(64), 4, dim=0, policy="int8"), x)
+    assert 0 < rel_l2(got, plain) <= 1e-2
     assert [s.policy for s in report.segments] == ["int8"] * 4
 
 

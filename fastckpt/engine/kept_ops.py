@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import CheckpointError
 
+from fastckpt import _compat
 from fastckpt.engine.replay import _device_module
 from fastckpt.storage.packer import SegmentStorage, _Stored
 
@@ -57,13 +58,6 @@ def _generator(t: torch.Tensor, kwargs: dict) -> torch.Generator | None:
     if not generators:
         return None
     return generators[t.device.index if t.device.index is not None else module.current_device()]
-
-
-# How to re-enter a function mode around a Python-level torch function (so calls inside it are seen too).
-# A torch without it runs such functions whole under the dispatch mode instead: the same ops kept, more cost.
-_redispatch = getattr(torch.overrides, "redispatch_function", None)
-if _redispatch is None and hasattr(torch._C, "_skip_one_hop_torch_function"):
-    _redispatch = torch._C._skip_one_hop_torch_function
 
 
 class KeptOutputs:
@@ -155,11 +149,14 @@ class _WatchCalls(TorchFunctionMode):
             with self.inside:
                 return func(*args, **kwargs)
         if getattr(func, "__module__", None) == "torch.nn.functional":  # Python code that may call a watched one
-            if _redispatch is None:
+            # Re-entered past this mode, so that the calls inside it are seen too; a torch without a way to do
+            # that runs such functions whole under the dispatch mode instead: the same ops kept, more cost.
+            redispatch = _compat.torch_function_redispatch()
+            if redispatch is None:
                 with self.inside:
                     return func(*args, **kwargs)
             with self:
-                return _redispatch(func, types, args, kwargs)
+                return redispatch(func, types, args, kwargs)
         return func(*args, **kwargs)
 
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils.checkpoint import CheckpointError
 
+from fastckpt import _compat
 from fastckpt.engine.debug import OpTrace, UnpackErrorCallback
 from fastckpt.engine.flat_tree import FlatTree
 from fastckpt.engine.options import CheckpointOptions
@@ -169,7 +169,11 @@ class _Frame:
 
 
 def _graph_exec_group() -> Any:
-    return torch._C._get_graph_exec_group() if hasattr(torch._C, "_get_graph_exec_group") else None
+    get_group = _compat.graph_exec_group()
+    if get_group is None:
+        _compat.warn_missing("graph_exec_group")
+        return None
+    return get_group()
 
 
 def _overlap_hint() -> str:
@@ -185,7 +189,7 @@ def _graph_task_id() -> Any:
     group = _graph_exec_group()
     if group is not None:
         return group
-    gid = torch._C._current_graph_task_id()
+    gid = _compat.require("current_graph_task_id")()
     return gid if gid != -1 else uuid.uuid4().int  # unpacked outside backward (e.g. grad_fn._saved_*)
 
 
@@ -207,7 +211,9 @@ class _InternalHooks(torch.autograd.graph.saved_tensors_hooks):
 
 
 def _user_hooks_in_scope():
-    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    top = _compat.top_saved_tensors_default_hooks()
+    if top is None:
+        _compat.warn_missing("top_saved_tensors_default_hooks")
     hooks = top(False) if top is not None else None
     while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
         hooks = getattr(hooks[0], "_user_hooks", None)
@@ -260,6 +266,7 @@ def _forward_hooks(frame: _Frame) -> _InternalHooks:
 
 def _recompute_hooks(frame: _Frame, gid: Any, storage: SegmentStorage | None = None) -> _InternalHooks:
     """Hooks that hand each tensor the recomputation saves to its holder (through `storage` when given)."""
+    disable_current_modes = _compat.require("disable_current_modes") if storage is not None else None
 
     def pack(saved: torch.Tensor) -> Any:
         x = saved.detach() if saved.requires_grad else saved  # the recompute graph itself is never differentiated
@@ -285,7 +292,7 @@ def _recompute_hooks(frame: _Frame, gid: Any, storage: SegmentStorage | None = N
                     metadata = frame.metadata_fn(x)
                 # The codec's own ops run outside the recomputation's dispatch modes: a selective-checkpoint
                 # context_fn replays only the forward's ops, and debug=True traces only the segment's.
-                with _disable_current_modes():
+                with disable_current_modes():
                     packed = storage.pack(saved)  # the saved tensor itself: its identity dedups repeated saves
                 frame.recomputed[gid][handle] = _StoredRecomputed(storage, packed, metadata)
         if frame.early_stop and frame.recompute_count[gid] == len(frame.weak_holders):
@@ -299,19 +306,23 @@ def _recompute_hooks(frame: _Frame, gid: Any, storage: SegmentStorage | None = N
         # segment): it gets the stored tensors decoded.
         if not isinstance(packed, (_Stored, ParameterCast)):
             return packed
-        with _disable_current_modes():
+        with disable_current_modes():
             return storage.unpack(packed)
 
     return _InternalHooks(pack, unpack)
 
 
 def _resolve_debug(debug: bool) -> bool:
-    globally = torch_checkpoint._checkpoint_debug_enabled
+    globally = _compat.checkpoint_debug_enabled()
+    if globally is None and not _compat.available("checkpoint_debug_enabled"):
+        _compat.warn_missing("checkpoint_debug_enabled")
     return debug if globally is None else globally
 
 
 def _resolve_early_stop(early_stop: bool) -> bool:
-    globally = torch_checkpoint._enable_checkpoint_early_stop
+    globally = _compat.checkpoint_early_stop()
+    if globally is None and not _compat.available("checkpoint_early_stop"):
+        _compat.warn_missing("checkpoint_early_stop")
     return early_stop if globally is None else globally
 
 
@@ -343,6 +354,9 @@ def checkpoint_non_reentrant(
         forward_context.respect_saved_tensors_hooks = options.respect_saved_tensors_hooks
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
+    _compat.require("current_graph_task_id")  # raise now rather than in the backward
+    if recompute_storage is not None:
+        _compat.require("disable_current_modes")
 
     inputs = FlatTree((args, kwargs))
     state = ForwardState.capture(inputs.tensors, options.preserve_rng_state)

@@ -10,6 +10,8 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import DefaultDeviceType
 
+from fastckpt import _compat
+
 
 def infer_device_type(tensors: Sequence[torch.Tensor]) -> str:
     """The accelerator type whose RNG/autocast state matters: 'cuda' if any input is there."""
@@ -25,11 +27,12 @@ def _device_module(device_type: str) -> Any:
 
 def _ambient_default_device() -> torch.device | None:
     """The device of an active `with torch.device(...)` block, if any."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, DeviceContext):
+    mode_stack, device_context = _compat.function_mode_stack(), _compat.device_context()
+    if mode_stack is None or device_context is None:
+        _compat.warn_missing("function_mode_stack" if mode_stack is None else "device_context")
+        return None
+    for mode in reversed(mode_stack()):
+        if isinstance(mode, device_context):
             return mode.device
     return None
 
@@ -54,7 +57,7 @@ class ForwardState:
         device_type = infer_device_type(tensors)
         module = _device_module(device_type)
         # Only read device RNG if the device is already initialised: reading would initialise it.
-        had_device = preserve_rng_state and bool(getattr(module, "_initialized", False))
+        had_device = preserve_rng_state and _compat.device_initialized(module)
         device_ids = sorted({t.get_device() for t in tensors if t.device.type == device_type}) if had_device else []
         device_rngs = []
         for index in device_ids:
@@ -86,7 +89,7 @@ class ForwardState:
     def check_device_not_initialised_in_forward(self) -> None:
         """A forward that initialised the device has RNG state we never captured: refuse, as torch does."""
         module = _device_module(self.device_type)
-        if self.preserve_rng_state and not self.had_device_in_forward and getattr(module, "_initialized", False):
+        if self.preserve_rng_state and not self.had_device_in_forward and _compat.device_initialized(module):
             raise RuntimeError(
                 "PyTorch's device state was initialized in the forward pass of a Checkpoint, which is not allowed. "
                 "Initialise the device before the checkpointed call, or pass preserve_rng_state=False."

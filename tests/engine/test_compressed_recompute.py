@@ -13,7 +13,7 @@ import fastckpt
 from benchmarks.harness import peak_bytes
 from fastckpt.engine.non_reentrant import _StoredRecomputed
 from fastckpt.policies import RECOMPUTE_TOKENS, Policy
-from tests.engine.test_equivalence import run_step
+from tests.helpers import run_step
 from tests.models import TransformerBlock
 
 

@@ -8,26 +8,10 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 import fastckpt
-from tests.models import MLP, KwargsModel, SmallCNN, TransformerBlock, make_input
+from tests.helpers import assert_all_equal, run_step
+from tests.models import MLP, KwargsModel, SmallCNN, TransformerBlock, make_input, seeded
 
 MODES = [False, True]
-
-
-def run_step(model, x, forward, seed=1234):
-    """One forward+backward from a fixed RNG seed; returns outputs, grads and the caller's next random number."""
-    model.zero_grad(set_to_none=True)
-    x = x.detach().requires_grad_(True)
-    torch.manual_seed(seed)
-    out = forward(x)
-    out.float().pow(2).sum().backward()
-    after = torch.rand(4)  # the caller's RNG stream must not be disturbed by recompute
-    return [out.detach(), x.grad, after] + [p.grad for p in model.parameters()]
-
-
-def assert_all_equal(got, expected):
-    assert len(got) == len(expected)
-    for i, (a, b) in enumerate(zip(got, expected, strict=True)):
-        assert torch.equal(a, b), f"tensor {i} differs (max abs diff {(a.float() - b.float()).abs().max()})"
 
 
 def assert_matches_plain_and_stock(model, x, ours, stock, plain=None):
@@ -52,9 +36,7 @@ def test_models_bit_identical(model_cls, use_reentrant):
 
 @pytest.mark.parametrize("use_reentrant", MODES)
 def test_transformer_under_cpu_autocast(use_reentrant):
-    torch.manual_seed(0)
-    model = TransformerBlock().train()
-    x = make_input(model)
+    model, x = seeded(TransformerBlock)
 
     def under_autocast(forward):
         def wrapped(x):
@@ -135,9 +117,7 @@ def test_checkpoint_sequential_matches_torch(use_reentrant):
 
 @pytest.mark.parametrize("use_reentrant", MODES)
 def test_save_policy_is_lossless_and_never_recomputes(use_reentrant):
-    torch.manual_seed(0)
-    model = TransformerBlock().train()
-    x = make_input(model)
+    model, x = seeded(TransformerBlock)
     calls = []
     model.register_forward_hook(lambda *_: calls.append(1))
     plain = run_step(model, x, model)

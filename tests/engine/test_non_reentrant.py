@@ -12,6 +12,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.utils.checkpoint import CheckpointError, CheckpointPolicy, create_selective_checkpoint_contexts
 
 import fastckpt
+from tests.models import pointwise_chain
 
 
 def counted(fn):
@@ -26,10 +27,6 @@ def counted(fn):
     return wrapper
 
 
-def chain(x):
-    return x.sin().exp().cos()
-
-
 def test_default_is_non_reentrant_without_warning(recwarn):
     x = torch.randn(3, requires_grad=True)
     out = fastckpt.checkpoint(lambda x, *, k: x.sin() * k, x, k=2.0)  # kwargs: only non-reentrant takes them
@@ -40,10 +37,10 @@ def test_default_is_non_reentrant_without_warning(recwarn):
 
 def test_curried_form_and_method_decorator():
     x = torch.randn(3, requires_grad=True)
-    fn = counted(chain)
+    fn = counted(pointwise_chain)
     out = fastckpt.checkpoint(use_reentrant=False)(fn)(x)
     out.sum().backward()
-    assert fn.calls == 2 and torch.equal(out, chain(x))
+    assert fn.calls == 2 and torch.equal(out, pointwise_chain(x))
 
     class Layer(torch.nn.Module):
         @fastckpt.checkpoint(use_reentrant=False)
@@ -56,7 +53,7 @@ def test_curried_form_and_method_decorator():
 
 def test_one_forward_and_one_recompute_per_backward():
     x = torch.randn(5, requires_grad=True)
-    fn = counted(chain)
+    fn = counted(pointwise_chain)
     out = fastckpt.checkpoint(fn, x)
     assert fn.calls == 1
     out.sum().backward(retain_graph=True)
@@ -70,8 +67,8 @@ def test_grad_disabled_is_a_plain_call():
     seen = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t) or t, lambda t: t):
         with torch.no_grad():
-            out = fastckpt.checkpoint(chain, x)
-    assert out.grad_fn is None and not seen and torch.equal(out, chain(x))
+            out = fastckpt.checkpoint(pointwise_chain, x)
+    assert out.grad_fn is None and not seen and torch.equal(out, pointwise_chain(x))
 
 
 def test_no_input_requires_grad_parameters_still_get_grads():
@@ -105,7 +102,8 @@ def test_higher_order_gradients():
         (g3,) = torch.autograd.grad(g2.sum(), x)
         return g1, g2, g3
 
-    for ours, plain in zip(grads(lambda x: fastckpt.checkpoint(chain, x)), grads(chain), strict=True):
+    ours_and_plain = zip(grads(lambda x: fastckpt.checkpoint(pointwise_chain, x)), grads(pointwise_chain), strict=True)
+    for ours, plain in ours_and_plain:
         assert torch.equal(ours, plain)
 
 
@@ -201,7 +199,7 @@ def test_unpacking_twice_in_one_backward_is_an_error():
 def test_inplace_modification_of_input_caught_at_backward():
     x = torch.randn(4, requires_grad=True)
     inp = x * 1
-    out = fastckpt.checkpoint(chain, inp)
+    out = fastckpt.checkpoint(pointwise_chain, inp)
     inp.add_(1)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()
@@ -254,7 +252,8 @@ def test_debug_adds_the_operator_trace(how):
 
 def test_debug_and_context_fn_together_are_refused():
     with pytest.raises(ValueError, match="debug=True is incompatible with non-default context_fn"):
-        fastckpt.checkpoint(chain, torch.randn(2, requires_grad=True), debug=True, context_fn=lambda: (None, None))
+        x = torch.randn(2, requires_grad=True)
+        fastckpt.checkpoint(pointwise_chain, x, debug=True, context_fn=lambda: (None, None))
 
 
 def test_no_reference_cycles_graph_freed_when_outputs_die():
@@ -296,13 +295,13 @@ def test_composes_with_save_on_cpu():
     x = torch.randn(8, requires_grad=True)
     seen = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: seen.append(t.shape) or t, lambda t: t):
-        out = fastckpt.checkpoint(chain, x)
+        out = fastckpt.checkpoint(pointwise_chain, x)
     assert seen == [x.shape]  # the user's hooks see the segment input, nothing from inside
     with torch.autograd.graph.save_on_cpu():
-        out = fastckpt.checkpoint(chain, x)
+        out = fastckpt.checkpoint(pointwise_chain, x)
     out.sum().backward()
     ours, x.grad = x.grad, None
-    chain(x).sum().backward()
+    pointwise_chain(x).sum().backward()
     assert torch.equal(ours, x.grad)
 
 

@@ -10,10 +10,7 @@ import pytest
 import torch
 
 import fastckpt
-
-
-def chain(x):
-    return x.sin().exp().cos()
+from tests.models import pointwise_chain
 
 
 def reentrant(fn, *args, **kwargs):
@@ -22,11 +19,11 @@ def reentrant(fn, *args, **kwargs):
 
 def test_gradient_flows_through_the_cpp_node():
     x = torch.randn(5, requires_grad=True)
-    out = reentrant(chain, x)
+    out = reentrant(pointwise_chain, x)
     assert type(out.grad_fn).__name__ != "SinBackward0"  # one node for the whole segment
     out.sum().backward()
     ours, x.grad = x.grad, None
-    chain(x).sum().backward()
+    pointwise_chain(x).sum().backward()
     assert torch.equal(ours, x.grad)
 
 
@@ -47,24 +44,24 @@ def test_error_at_backward_when_no_output_requires_grad():
 @pytest.mark.parametrize("how", ["grad", "inputs"])
 def test_error_under_autograd_grad_and_inputs_then_flag_resets(how):
     x = torch.randn(3, requires_grad=True)
-    out = reentrant(chain, x)
+    out = reentrant(pointwise_chain, x)
     with pytest.raises(RuntimeError, match="incompatible with .grad\\(\\) or passing an `inputs` parameter"):
         if how == "grad":
             torch.autograd.grad(out.sum(), x)
         else:
             out.sum().backward(inputs=[x])
-    reentrant(chain, x).sum().backward()  # a plain backward afterwards works again
+    reentrant(pointwise_chain, x).sum().backward()  # a plain backward afterwards works again
     assert x.grad is not None
 
 
 def test_rejects_kwargs_context_fn_and_debug_with_torch_texts():
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(ValueError, match="Unexpected keyword arguments: scale"):
-        reentrant(chain, x, scale=2)
+        reentrant(pointwise_chain, x, scale=2)
     with pytest.raises(ValueError, match="only supported when use_reentrant=False"):
-        reentrant(chain, x, debug=True)
+        reentrant(pointwise_chain, x, debug=True)
     with pytest.raises(ValueError, match="only supported when use_reentrant=False"):
-        reentrant(chain, x, context_fn=lambda: (None, None))
+        reentrant(pointwise_chain, x, context_fn=lambda: (None, None))
 
 
 def test_non_tensor_and_nested_inputs_and_outputs():
@@ -115,7 +112,7 @@ def test_one_recompute_per_backward_and_caller_rng_undisturbed():
 def test_inplace_modification_of_input_caught_at_backward():
     x = torch.randn(4, requires_grad=True)
     inp = x * 1
-    out = reentrant(chain, inp)
+    out = reentrant(pointwise_chain, inp)
     inp.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         out.sum().backward()

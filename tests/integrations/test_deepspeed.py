@@ -19,6 +19,7 @@ from deepspeed import checkpointing as ds_checkpointing  # noqa: E402  (`import 
 
 import fastckpt  # noqa: E402
 import fastckpt.integrations.deepspeed as ckpt  # noqa: E402
+from tests.helpers import max_rel_l2  # noqa: E402
 from tests.models import TransformerBlock  # noqa: E402
 from tests.multiprocess import run_in_processes  # noqa: E402
 
@@ -80,11 +81,6 @@ def assert_identical(got, expected) -> None:
     assert len(got[1]) == len(expected[1])
     for index, (a, b) in enumerate(zip(got[1], expected[1], strict=True)):
         assert torch.equal(a, b), f"gradient {index} differs: max |diff| {(a - b).abs().max()}"
-
-
-def max_rel_l2(got: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
-    """Largest relative L2 error over the gradients."""
-    return max(((a - b).norm() / b.norm()).item() for a, b in zip(got, expected, strict=True))
 
 
 # 1. Default settings: the same losses and gradients as deepspeed.checkpointing.checkpoint.

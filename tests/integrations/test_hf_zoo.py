@@ -36,6 +36,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
+from tests.helpers import num_threads  # noqa: E402
 
 VOCAB = 96
 BATCH = 2
@@ -640,10 +641,8 @@ def relative_errors(grads: dict[str, torch.Tensor], expected: dict[str, torch.Te
 def _one_intra_op_thread():
     """These models are tiny: a second intra-op thread only adds synchronisation, and on a shared machine with
     few cores it makes each step 10-100x slower (measured 0.03 s vs 0.1-3 s on 2 busy cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+    with num_threads(1):
+        yield
 
 
 # ------------------------------------------------------------------------------------ parametrization

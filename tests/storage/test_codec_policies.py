@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.policies import Policy
+from fastckpt import Policy
+from tests.helpers import rel_l2
 
 # The targets (BENCHMARKS.md): stored bits per saved float element, scale/offset included.
 BPE_TARGET = {"int8": 8.5, "fp8": 8.5, "int4": 4.5, "int2": 2.5}
@@ -26,10 +27,6 @@ def mlp_step(policy, seed=0):
     with fastckpt.track() as report:
         fastckpt.checkpoint(fn, x, policy=policy).pow(2).sum().backward()
     return [w1.grad, w2.grad], report
-
-
-def rel_l2(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 @pytest.mark.parametrize("codec", sorted(BPE_TARGET))

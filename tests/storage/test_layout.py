@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.policies import Policy
+from fastckpt import Policy
 from fastckpt.storage.codecs import dense_permutation
 from fastckpt.storage.packer import SegmentStorage
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.policies import Policy
+from fastckpt import Policy
 from fastckpt.storage.packer import keep_plain_reason
-from tests.engine.test_equivalence import assert_all_equal, run_step
-from tests.models import TransformerBlock, make_input
+from tests.helpers import assert_all_equal, run_step
+from tests.models import TransformerBlock, seeded
 
 LOSSLESS = ["save", "offload", "recompute+offload"]
 
@@ -20,9 +20,7 @@ LOSSLESS = ["save", "offload", "recompute+offload"]
 @pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("policy", LOSSLESS)
 def test_lossless_policies_bit_identical(policy, use_reentrant):
-    torch.manual_seed(0)
-    model = TransformerBlock().train()
-    x = make_input(model)
+    model, x = seeded(TransformerBlock)
     plain = run_step(model, x, model)
     ours = run_step(model, x, lambda x: fastckpt.checkpoint(model, x, use_reentrant=use_reentrant, policy=policy))
     assert_all_equal(ours, plain)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fastckpt
-from fastckpt.policies import Policy
+from fastckpt import Policy
 from fastckpt.storage import codecs
 from fastckpt.storage.packer import SegmentStorage
 

@@ -7,7 +7,7 @@ import math
 import torch
 
 from benchmarks import train as bench
-from fastckpt.api import CheckpointWrapper
+from fastckpt import CheckpointWrapper
 
 
 def test_planned_row_applies_a_plan_and_trains(monkeypatch):

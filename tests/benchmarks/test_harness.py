@@ -11,7 +11,6 @@ import sys
 import pytest
 import torch
 
-import fastckpt
 from benchmarks import checkpoint, report
 from benchmarks import offload as offload_bench
 from benchmarks.__main__ import main as bench_main
@@ -20,6 +19,7 @@ from benchmarks.checkpoint import STOCK, Config, Skipped, configs, measure_workl
 from benchmarks.harness import error_line, finish, is_profiler_noise, median_times, peak_bytes, quiet_profiler_logs
 from benchmarks.ops import _with_baseline
 from benchmarks.workloads import WORKLOAD_NAMES, workloads
+from tests.helpers import needs_in_graph_storage
 
 CPU = torch.device("cpu")
 PROFILER_NOISE = ("USDT", "profiler_start", "profiler_stop", "gpuGetDeviceCount", "Memory block of unknown size")
@@ -353,7 +353,7 @@ def test_other_processes_cpu_share_is_a_fraction():
     assert busy is not None and 0.0 <= busy <= 1.0
 
 
-@pytest.mark.skipif(not fastckpt.compiled.IN_GRAPH_STORAGE, reason="fastckpt.compile needs torch >= 2.14")
+@needs_in_graph_storage
 def test_compile_section_runs_every_row_and_reports_the_targets(tmp_path, capsys):
     rows = bench_main(["--smoke", "--workloads", "compile", "--out", str(tmp_path)])
     names = [r["config"] for r in rows]

@@ -34,6 +34,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import fastckpt
+from tests.helpers import rel_l2
 from tests.multiprocess import run_in_processes
 
 WORLD = 2
@@ -188,12 +189,10 @@ def ddp_results() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def fsdp_results() -> list[dict]:
-    pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.6")
+    fsdp = pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.6")
+    if not hasattr(fsdp, "fully_shard"):  # torch < 2.6 has the module, without fully_shard
+        pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6")
     return run_in_processes(_fsdp_body, world_size=WORLD)
-
-
-def rel_l2(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got - want).norm() / want.norm()).item()
 
 
 def assert_same_on_all_ranks(results: list[dict], name: str) -> dict:
