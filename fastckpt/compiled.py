@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from fastckpt import _compat
 from fastckpt.engine.options import CheckpointOptions
 from fastckpt.engine.strategy import Strategy, run_segment
 from fastckpt.policies import Policy
@@ -36,17 +37,10 @@ from fastckpt.storage import graph
 from fastckpt.storage.graph import GraphStorage
 
 TORCH_NEEDED = "2.14"  # the release in which the pieces below were checked
-
-try:  # the two pieces of torch that in-graph storage needs (the second: fastckpt.storage.graph)
-    from torch.fx.traceback import annotate as _annotate
-
-    # Both are private enough to change between releases: only the release checked is trusted.
-    IN_GRAPH_STORAGE = (
-        graph._get_saved_tensor_hook_context is not None
-        and torch.torch_version.TorchVersion(torch.__version__) >= TORCH_NEEDED
-    )
-except ImportError:
-    IN_GRAPH_STORAGE = False
+# Only the release checked is trusted: the pieces (fastckpt._compat's fx_annotate, saved_tensor_hook_context,
+# autograd_cache_off) are private enough to change between releases. `compile` resolves them.
+IN_GRAPH_STORAGE = torch.torch_version.TorchVersion(torch.__version__) >= TORCH_NEEDED
+_annotate: Callable[[dict], Any] | None = None  # torch.fx.traceback.annotate, once `compile` resolved it
 
 # Inside a `compile` call (read while dynamo traces, so it is guarded: the same compiled function traced
 # inside and outside `compile` gets two graphs).
@@ -68,7 +62,7 @@ def checkpoint_in_graph(
         return _eager_with_warning(reason, function, args, kwargs, options, policy)
     if not strategy.stores:  # stock recompute: torch's checkpoint op as it is
         return _torch_checkpoint(function, args, kwargs, options)
-    with _annotate({graph.ANNOTATION: str(strategy.policy)}):
+    with _annotate({graph.ANNOTATION: str(strategy.policy)}):  # resolved: inside a compile region (_region_depth)
         if strategy.recompute:
             return _torch_checkpoint(function, args, kwargs, options)
         return function(*args, **kwargs)
@@ -148,6 +142,8 @@ def compile(fn_or_module: Any, policy: str | Policy | None = None, **torch_compi
             f"fastckpt.compile needs torch >= {TORCH_NEEDED} (saved-tensor hooks inlined into compiled graphs); this "
             f"is torch {torch.__version__}. Use torch.compile: fastckpt.checkpoint segments then run eagerly"
         )
+    global _annotate
+    _annotate = _compat.require("fx_annotate")  # resolved here, never while dynamo traces
     storage = GraphStorage(region)
     if torch_compile_kwargs.get("backend", "inductor") == "inductor":
         # Inductor's locality reordering pulls the decoded activations of several layers ahead to where it
@@ -174,7 +170,7 @@ def _in_region(storage: GraphStorage, call: Callable[..., Any]) -> Callable[...,
             # No AOTAutograd cache: its key hashes the hook graphs (empty: the hooks are Python) and not the
             # policy annotations, so a graph compiled under 'int8' would be served for the same graph under
             # 'int4' (measured). Inductor's own cache keys the graphs after inlining, encode ops included.
-            with torch._functorch.config.patch(enable_autograd_cache=False), storage.hooks():
+            with _compat.autograd_cache_off(), storage.hooks():
                 return call(*args, **kwargs)
         finally:
             _region_depth -= 1

@@ -60,9 +60,7 @@ def test_fastckpt_reaches_private_torch_symbols_only_through_compat():
         r"torch\._C\._|torch\._functorch|torch\._prims|_python_dispatch import _|torch\.utils\._device"
         r"|_get_current_function_mode_stack|checkpoint\._[a-z]|\"_initialized\""
     )
-    # fastckpt.compile's modules are being reorganised by their owner (compiled.py, and storage/graph.py on main
-    # since): their four symbols have probes to switch to, after which they leave this set.
-    allowed = {"fastckpt/_compat.py", "fastckpt/compiled.py", "fastckpt/storage/graph.py"}
+    allowed = {"fastckpt/_compat.py"}
     offenders = [
         f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
         for path in sorted((ROOT / "fastckpt").rglob("*.py"))

@@ -21,17 +21,13 @@ from typing import Any
 
 import torch
 
+from fastckpt import _compat
 from fastckpt.policies import Policy
 from fastckpt.storage import codecs
 from fastckpt.storage.accounting import nbytes
 from fastckpt.storage.packer import SegmentStorage, _Stored, value_keep_plain_reason
 
 ANNOTATION = "fastckpt_policy"  # the key of a storing segment's policy in its ops' node.meta["custom"]
-
-try:  # what tells a pack hook which graph and node it is inlined for
-    from torch._functorch._aot_autograd.graph_compile import _get_saved_tensor_hook_context
-except ImportError:
-    _get_saved_tensor_hook_context = None
 
 
 @dataclass(frozen=True)
@@ -81,13 +77,15 @@ class GraphStorage:
         self._before_pack: dict[torch.fx.Node, set[torch.fx.Node]] = {}
         self._before_unpack: weakref.WeakKeyDictionary[torch.fx.Graph, set[torch.fx.Node]] = weakref.WeakKeyDictionary()
         self.pack_hook, self.unpack_hook = _Hook(self._pack), _Hook(self._unpack)
+        # Which graph and node a pack or unpack is being inlined for (None: an eager op between graphs).
+        self._context = _compat.require("saved_tensor_hook_context")
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         self._eager = None  # one storage per call, made when an eager op first saves (a track() record then)
         return torch.autograd.graph.saved_tensors_hooks(self.pack_hook, self.unpack_hook)
 
     def _pack(self, t: torch.Tensor) -> Any:
-        context = _get_saved_tensor_hook_context()
+        context = self._context()
         if context is None:  # eager: an op between graphs
             if self.policy is None:
                 return t
@@ -116,7 +114,7 @@ class GraphStorage:
         return (*encoded.payload, codec, encoded.group_size, t.dtype, list(encoded.shape), encoded.layout or ())
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        context = _get_saved_tensor_hook_context()
+        context = self._context()
         if context is not None:
             self._place(context)
         if isinstance(packed, torch.Tensor):
@@ -224,7 +222,10 @@ def _name_rng_states_as_backward_does(forward: torch.fx.Graph, backward: torch.f
     AOTAutograd's hook inlining, which pairs saved tensors with backward inputs by name, then fails with
     "could not find saved tensor getitem_<n> in bw_g_inputs" (torch 2.14; in order, both lists follow the
     random ops' order)."""
-    save_rng = torch._prims.rng_prims.run_and_save_rng_state
+    save_rng = _compat.run_and_save_rng_state()
+    if save_rng is None:
+        _compat.warn_missing("run_and_save_rng_state")
+        return
     states = [
         n
         for n in forward.output_node().args[0]
