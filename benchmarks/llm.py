@@ -49,6 +49,9 @@ LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this m
 HF_GC = "HF GC"
 PLAN = "fastckpt plan + loss head"
 PLAN_FRACTION = 1 / 3  # the plan row's budget, as a fraction of HF GC's whole-step peak
+# The planner's bound (largest relative L2 error of a parameter gradient against the plain bf16 step): the
+# int8 forms measured 1.0-1.3x bf16's own error against fp32 here, the int4 forms 7x; this admits the first.
+PLAN_MAX_ERROR = 5e-2
 PLAIN = "plain"
 
 
@@ -207,7 +210,7 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     notes = []
     if lora and HF_GC in results:
         try:
-            models[PLAN], note = _planned(base, batch, results[HF_GC]["peak"], results[PLAIN]["error"])
+            models[PLAN], note = _planned(base, batch, results[HF_GC]["peak"])
             losses[PLAN] = hf_loss
             notes.append(f"{PLAN}: {note}")
             measure(PLAN)
@@ -222,10 +225,9 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     return table, failed
 
 
-def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int, bf16_error: float) -> tuple[torch.nn.Module, str]:
+def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int) -> tuple[torch.nn.Module, str]:
     """The plan row: the loss head on, the decoder layers planned by fastckpt.plan for PLAN_FRACTION of HF GC's
-    whole-step peak (its smallest feasible budget when that is infeasible), each layer's gradient error at
-    most bf16 autocast's own."""
+    whole-step peak (its smallest feasible budget when that is infeasible), with PLAN_MAX_ERROR."""
     from fastckpt.integrations import hf
 
     model = copy.deepcopy(base)
@@ -237,7 +239,7 @@ def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int, bf16_error: fl
         model.zero_grad(set_to_none=True)
 
     with quiet_profiler_logs():  # the planner's CPU memory trace runs the profiler
-        measurements = fastckpt.planner.measure(model, step, repeats=1, max_error=bf16_error)
+        measurements = fastckpt.planner.measure(model, step, repeats=1, max_error=PLAN_MAX_ERROR)
     budget = int(PLAN_FRACTION * hf_gc_peak)
     try:
         plan = measurements.plan(budget)
@@ -290,11 +292,11 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
-    """Peak of plain, HF GC and fastckpt's best (recompute+int8 with the loss head) against tokens and depth
+    """Peak of plain, HF GC and fastckpt's best (recompute:int8+int8 with the loss head) against tokens and depth
     (llama-lora), and the fitted bytes per token per layer."""
     lengths, depths = SCALING[size]
-    best = "fastckpt recompute+int8 + loss head"
-    configs = {PLAIN: lambda m: None, HF_GC: _hf_gc, best: _fastckpt("recompute+int8", True)}
+    best = "fastckpt recompute:int8+int8 + loss head"  # the lowest peak of the tables' rows
+    configs = {PLAIN: lambda m: None, HF_GC: _hf_gc, best: _fastckpt("recompute:int8+int8", True)}
     points = []
     for axis, values in (("tokens", lengths), ("layers", depths)):
         for value in values:
