@@ -112,10 +112,10 @@ class SegmentStorage:
         with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), watch:
             yield
 
-    def watching(self) -> roles.ParameterWatch:
+    def watching(self) -> contextlib.AbstractContextManager:
         """The context in which `pack` recognises casts of parameters, for an engine that packs into this
         storage itself: around a recomputation (which turns the forward's autocast back on inside)."""
-        return self._watch
+        return self._watch if roles.casts_recognised() else contextlib.nullcontext()
 
     def pack(self, t: torch.Tensor) -> _Stored | roles.ParameterCast:
         start = time.perf_counter()

@@ -11,7 +11,7 @@ A tensor is recognised as a cast of a parameter only while a torch function that
 (`ParameterWatch`, a function mode a storage enters around its segment under autocast): inside that call, a
 saved tensor whose base has the parameter's shape, device and layout but another floating dtype, the autocast
 dtype, is that call's cast of it, unless another tensor argument of the call has the same shape (then the
-tensor is stored as any other).
+tensor is stored as any other). Not under torch.distributed (see `casts_recognised`).
 """
 
 from __future__ import annotations
@@ -78,6 +78,7 @@ class ParameterWatch(TorchFunctionMode):
                 and base.device == parameter.device
                 and base.stride() == parameter.stride()
                 and base.storage_offset() == 0
+                and base.device.type in _AUTOCAST_DEVICES
                 and base.dtype == torch.get_autocast_dtype(base.device.type)
                 and sum(t.shape == parameter.shape for t in tensors) == 1  # no other argument could be its source
             ):
@@ -85,6 +86,13 @@ class ParameterWatch(TorchFunctionMode):
         return None
 
 
+def casts_recognised() -> bool:
+    """False under torch.distributed: there a parameter may be freed after the forward and gathered again for
+    the backward (FSDP, DeepSpeed ZeRO-3), and the gather rewrites it in place, which a cast's version check
+    cannot tell from a user's change; its copies are then stored as any other tensor."""
+    return not (torch.distributed.is_available() and torch.distributed.is_initialized())
+
+
 def autocast_enabled() -> bool:
-    """True when autocast is on for a device whose casts a watch can recognise."""
-    return any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)
+    """True when autocast is on for a device whose casts a watch can recognise (and casts_recognised())."""
+    return casts_recognised() and any(torch.is_autocast_enabled(device) for device in _AUTOCAST_DEVICES)

@@ -98,3 +98,13 @@ def test_views_of_the_cast_come_back_with_their_layout():
     got, report = _grads(block, x, "int8")
     assert torch.equal(got[0], plain[0])
     assert any("parameter-cast" in s.codecs for s in report.segments)
+
+
+@pytest.mark.parametrize("policy", ["int8", "recompute:int8"])
+def test_under_torch_distributed_copies_are_stored_as_any_tensor(policy, monkeypatch):
+    # FSDP / ZeRO-3 free a parameter after the forward and gather it again in place: not kept by reference.
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    layer, x = _linear(trainable=False), torch.randn(32, 64)
+    _, report = _grads(layer, x, policy)
+    assert all("parameter-cast" not in s.codecs for s in report.segments)
+    assert any("int8" in s.codecs for s in report.segments)
