@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import sysconfig
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -201,6 +203,20 @@ def _print_losses(rows: list[dict], width: int) -> None:
         )
 
 
+def _each(configs: Iterable[Any], run: Callable[[Any], dict], failed: dict[str, str]) -> list[dict]:
+    """`run(config)` for each config; a failure is noted in `failed` (reported below), except the first
+    config's (the plain reference): that one stops the benchmark."""
+    rows = []
+    for config in configs:
+        try:
+            rows.append(run(config))
+        except Exception as err:
+            if not rows:
+                raise
+            failed[str(config)] = error_line(err)
+    return rows
+
+
 def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
     """Train once per policy, then the LoRA job once per configuration; print final losses against plain."""
     dev = torch.device(device)
@@ -209,27 +225,14 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
     steps = 60 if quick else 300
     seq = 128 if dev.type == "cuda" else 64
     val = batches(text[split:], 8, 16, seq, seed=2)
-    rows, failed = [], {}
-    for policy in POLICIES:
-        try:
-            rows.append(train(policy, text[:split], val, steps, dev))
-        except Exception as err:  # reported below; plain training failing stops the benchmark
-            if not rows:
-                raise
-            failed[str(policy)] = error_line(err)
+    failed: dict[str, str] = {}
+    rows = _each(POLICIES, lambda policy: train(policy, text[:split], val, steps, dev), failed)
     print(f"char-level GPT on {len(text) / 1e6:.2f} MB of Python stdlib source, {steps} AdamW steps, device {device}")
     _print_losses(rows, 12)
     for r in rows:
         if r["note"]:
             print(r["note"])
-    lora_rows = []
-    for name in LORA_CONFIGS:
-        try:
-            lora_rows.append(train_lora(name, text[:split], val, steps, dev))
-        except Exception as err:  # reported below; plain bf16 failing stops the benchmark
-            if not lora_rows:
-                raise
-            failed[name] = error_line(err)
+    lora_rows = _each(LORA_CONFIGS, lambda name: train_lora(name, text[:split], val, steps, dev), failed)
     print(f"\nLoRA r=8 on a 4-layer random-init Llama over the same text, bf16 autocast, {steps} AdamW steps")
     _print_losses(lora_rows, 44)
     return finish(rows + lora_rows, failed, 44, out, f"train_{dev.type}.csv")

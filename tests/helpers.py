@@ -4,7 +4,9 @@ skips for features newer than the torch floor, gradient errors, seeded gradient 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -106,3 +108,23 @@ def num_threads(threads: int | None = None) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def tiny_decoder_config(config_class: str, vocab_size: int, **overrides: Any) -> Callable[[], Any]:
+    """A tiny transformers decoder config (2 layers, hidden 32, 4 heads / 2 KV), `overrides` on top, as a
+    factory: `tiny_decoder_config("LlamaConfig", 96)()`."""
+    import transformers
+
+    base = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 64,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    return functools.partial(getattr(transformers, config_class), **{**base, **overrides})

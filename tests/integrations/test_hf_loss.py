@@ -6,7 +6,6 @@ gradient accumulation, and the refusals."""
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 import warnings
 from typing import Any
@@ -18,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastckpt import linear_cross_entropy  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
+from tests.helpers import tiny_decoder_config  # noqa: E402
 
 VOCAB = 256
 BATCH, SEQ, SHORT = 2, 12, 7
@@ -33,19 +33,7 @@ def _one_thread():
 
 
 def _decoder(config_class: str, **overrides: Any):
-    base = {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    return functools.partial(getattr(transformers, config_class), **{**base, **overrides})
+    return tiny_decoder_config(config_class, VOCAB, **overrides)
 
 
 GEMMA = {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8}

@@ -36,7 +36,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
-from tests.helpers import num_threads  # noqa: E402
+from tests.helpers import num_threads, tiny_decoder_config  # noqa: E402
 
 VOCAB = 96
 BATCH = 2
@@ -139,19 +139,7 @@ class Arch:
 
 
 def _decoder(config_class: str, **overrides: Any) -> Callable[[], Any]:
-    base = {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    return functools.partial(getattr(transformers, config_class), **{**base, **overrides})
+    return tiny_decoder_config(config_class, VOCAB, **overrides)
 
 
 def _config(config_class: str, **kwargs: Any) -> Callable[[], Any]:
