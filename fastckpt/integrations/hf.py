@@ -10,7 +10,8 @@ silently switching back to torch's function.
 
 `enable(model, loss_head=True)` also computes a causal LM's training loss through
 `fastckpt.linear_cross_entropy` (the LM head and cross entropy a chunk of tokens at a time, no full
-logits); see `_LossHead` for how the model's own forward is kept.
+logits); see `_LossHead` for how the model's own forward is kept. `enable(model, padded_attention=True)`
+runs SDPA attention on right-padded batches without the [tokens x tokens] mask (hf_attention.py).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from fastckpt.api import checkpoint
+from fastckpt.integrations import hf_attention
 from fastckpt.loss import linear_cross_entropy
 from fastckpt.policies import Policy
 
@@ -106,6 +108,7 @@ def enable(
     *,
     every_n_layers: int = 1,
     loss_head: bool = False,
+    padded_attention: bool = False,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Turn on gradient checkpointing of a transformers model through fastckpt; returns `model`.
@@ -122,6 +125,12 @@ def enable(
     scales included). Such a forward returns `logits` of shape [batch, 0, vocab] (no position's logits were
     computed); forwards without labels or under `torch.no_grad()` (evaluation, generation) are HF's own.
     `loss_head=False` (the default) leaves the loss to HF, or hands it back after an earlier `loss_head=True`.
+
+    `padded_attention=True` (a model loaded with attn_implementation="sdpa") computes attention whose mask is
+    causal and right padding as two dense SDPA calls per row instead of one masked call: no [tokens x
+    tokens] float mask per layer, and the kernel skips the masked upper triangle (about half the attention's
+    time). The loss and gradients are the same up to the kernels' summation order; any other mask (left
+    padding, sliding windows, packed sequences), dropout or a KV cache runs HF's sdpa unchanged.
     """
     pretrained = _pretrained_model(model)
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
@@ -130,10 +139,16 @@ def enable(
         )
     if not isinstance(loss_head, bool):
         raise TypeError(f"fastckpt.integrations.hf.enable: `loss_head` must be True or False, got {loss_head!r}")
+    if not isinstance(padded_attention, bool):
+        raise TypeError(
+            f"fastckpt.integrations.hf.enable: `padded_attention` must be True or False, got {padded_attention!r}"
+        )
     settings = _Settings(Policy.parse(policy), dict(checkpoint_kwargs))
     _checkpoint_function(settings, None, offload=False)  # reject bad keywords before changing the model
     if loss_head:
         _LossHead.check(pretrained)  # likewise
+    if padded_attention:
+        hf_attention.check(pretrained)
     pretrained._fastckpt_settings = settings
     # An instance attribute shadows the class's method, so Trainer's later call (and the deprecated
     # gradient_checkpointing_enable, which forwards to it) lands here too. A bound method, not a
@@ -144,6 +159,10 @@ def enable(
         _LossHead.install(pretrained)
     else:
         _LossHead.remove(pretrained)
+    if padded_attention:
+        hf_attention.install(pretrained)
+    else:
+        hf_attention.remove(pretrained)
     return model
 
 
@@ -152,6 +171,7 @@ def disable(model: Any) -> Any:
     forward; returns `model`."""
     pretrained = _pretrained_model(model)
     _LossHead.remove(pretrained)
+    hf_attention.remove(pretrained)
     pretrained.__dict__.pop("activation_checkpointing_enable", None)
     pretrained.__dict__.pop("_fastckpt_settings", None)
     pretrained.activation_checkpointing_disable()

@@ -1,0 +1,157 @@
+"""Padded attention: HF's SDPA attention for right-padded batches without the [tokens x tokens] mask.
+
+With an attention mask, HF hands SDPA a boolean [batch, 1, tokens, tokens] mask; SDPA turns it into a float
+copy per call (saved for its backward, one per layer being recomputed) and its kernels compute every block
+of the square, the masked half included. When the mask is exactly causal and right padding (each row:
+its first L tokens real, the rest padding), the same attention is two dense calls per row: the L real
+queries causally over the L real keys (`is_causal=True`: the kernel skips the upper triangle) and the
+padding queries over all L real keys (what the mask lets them see). No mask is materialised, the result is
+the same up to the kernels' summation order, and the attention's time is about halved.
+
+Installed by `fastckpt.integrations.hf.enable(model, padded_attention=True)` as an attention implementation
+registered with transformers (`AttentionInterface`), named `fastckpt_sdpa`, on a model that uses "sdpa".
+Every call whose mask is not recognised (sliding windows, packed sequences, left padding, dropout, a KV
+cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward` unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+NAME = "fastckpt_sdpa"
+_RECOGNISED = "_fastckpt_right_padding"  # (mask._version, lengths or None), set on the mask tensor
+_CHECK_ELEMENTS = 1 << 22  # mask elements compared at a time while recognising (bounds the check's memory)
+
+
+def _hf_sdpa() -> Any:
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def register() -> None:
+    """Register NAME with transformers' attention and mask interfaces (idempotent). The mask function is the
+    one "sdpa" uses: the model builds the same masks, and the calls that are not decomposed receive them."""
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.modeling_utils import AttentionInterface
+
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def right_padding_lengths(mask: Any, batch: int, tokens: int) -> tuple[int, ...] | None:
+    """Per batch row (one entry when the mask broadcasts over the batch), the number of real tokens, when
+    `mask` is a boolean [batch or 1, 1, tokens, tokens] mask that is exactly causal and right padding with at
+    least one real token per row; None otherwise. The verdict is cached on the mask (all layers share it,
+    recomputations pass it again) and recomputed when the mask is changed in place."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
+        return None
+    if mask.shape[1] != 1 or mask.shape[2] != tokens or mask.shape[3] != tokens or mask.shape[0] not in (1, batch):
+        return None
+    cached = mask.__dict__.get(_RECOGNISED)
+    if cached is not None and cached[0] == mask._version:
+        return cached[1]
+    rows = mask[:, 0]
+    keys = rows[:, -1]  # the last query may see every real key: the key-validity of each row
+    lengths = keys.sum(-1)
+    positions = torch.arange(tokens, device=mask.device)
+    found = bool((lengths > 0).all()) and torch.equal(keys, positions < lengths[:, None])
+    step = max(1, _CHECK_ELEMENTS // (tokens * rows.shape[0]))
+    for start in range(0, tokens if found else 0, step):
+        queries = positions[start : start + step, None]
+        expected = (positions[None, :] <= queries) & keys[:, None, :]  # causal and a real key
+        if not torch.equal(rows[:, start : start + step], expected):
+            found = False
+            break
+    result = tuple(lengths.tolist()) if found else None
+    mask.__dict__[_RECOGNISED] = (mask._version, result)
+    return result
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """HF's attention-interface signature; [batch, tokens, heads, head_dim] output as HF's sdpa returns it."""
+    sdpa = _hf_sdpa()
+    lengths = None
+    decomposable = (
+        dropout == 0.0
+        and kwargs.get("position_bias") is None
+        and kwargs.get("cache") is None
+        and query.shape[2] == key.shape[2]
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+    )
+    if decomposable:
+        lengths = right_padding_lengths(attention_mask, query.shape[0], query.shape[2])
+    if lengths is None:
+        return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                    is_causal=is_causal, **kwargs)  # fmt: skip
+
+    def rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
+        """Rows of one length: real queries causally over the real keys, padding queries over all of them."""
+        k, v = k[:, :, :length], v[:, :, :length]
+        parts = [sdpa(module, q[:, :, :length], k, v, None, scaling=scaling, is_causal=True, **kwargs)[0]]
+        if length < q.shape[2]:
+            parts.append(sdpa(module, q[:, :, length:], k, v, None, scaling=scaling, is_causal=False, **kwargs)[0])
+        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+
+    if len(set(lengths)) == 1:
+        return rows(query, key, value, lengths[0]), None
+    out = [rows(query[b : b + 1], key[b : b + 1], value[b : b + 1], n) for b, n in enumerate(lengths)]
+    return torch.cat(out, dim=0), None
+
+
+def _attention_configs(model: torch.nn.Module) -> list[Any]:
+    """The configs of `model` and its sub-models (each once)."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+def check(model: torch.nn.Module) -> None:
+    """ValueError, naming the fix, unless `model`'s attention implementation is "sdpa" (or already NAME)."""
+    current = {config._attn_implementation for config in _attention_configs(model)}
+    if not current or not current <= {"sdpa", NAME}:
+        raise ValueError(
+            f"fastckpt.integrations.hf.enable(padded_attention=True): the model's attention implementation is "
+            f"{sorted(map(str, current))}, padded attention replaces 'sdpa'; load the model with "
+            "attn_implementation='sdpa' or enable without padded_attention"
+        )
+
+
+def install(model: torch.nn.Module) -> None:
+    """Switch `model` (a PreTrainedModel using "sdpa") to NAME."""
+    check(model)
+    register()
+    model.set_attn_implementation(NAME)
+    left = {config._attn_implementation for config in _attention_configs(model)} - {NAME}
+    if left:
+        model.set_attn_implementation("sdpa")
+        raise ValueError(
+            f"fastckpt.integrations.hf.enable(padded_attention=True): {type(model).__name__} did not switch its "
+            f"attention implementation (still {sorted(map(str, left))}); enable without padded_attention"
+        )
+
+
+def remove(model: torch.nn.Module) -> None:
+    """Give `model` back HF's "sdpa" if NAME is installed."""
+    if any(config._attn_implementation == NAME for config in _attention_configs(model)):
+        model.set_attn_implementation("sdpa")
+
+
+def installed(model: torch.nn.Module) -> bool:
+    return any(config._attn_implementation == NAME for config in _attention_configs(model))

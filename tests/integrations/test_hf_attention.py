@@ -1,0 +1,235 @@
+"""hf.enable(model, padded_attention=True): the mask recogniser, and tiny transformers models against their
+own sdpa attention on right-padded batches (loss, every gradient, the hidden states at padded positions),
+the calls that must fall back to HF's sdpa (left padding, sliding windows, dropout), and the refusals."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from fastckpt.integrations import hf, hf_attention  # noqa: E402
+from tests.helpers import tiny_decoder_config  # noqa: E402
+
+VOCAB = 128
+SEQ = 16
+LENGTHS = (SEQ, 7, 11)  # real tokens per row: one row without padding
+FP32 = {"rtol": 1e-5, "atol": 1e-6}  # the kernels' summation order, through two layers
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _decoder(config_class: str, **overrides: Any):
+    return tiny_decoder_config(config_class, VOCAB, attn_implementation="sdpa", **overrides)
+
+
+GEMMA = {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 6}
+ARCHS = {
+    "llama": ("LlamaForCausalLM", _decoder("LlamaConfig")),
+    "qwen2": ("Qwen2ForCausalLM", _decoder("Qwen2Config")),
+    "mistral-sliding": ("MistralForCausalLM", _decoder("MistralConfig", sliding_window=6)),
+    "phi3": ("Phi3ForCausalLM", _decoder("Phi3Config")),
+    "gemma3-mixed-layers": (
+        "Gemma3ForCausalLM",
+        _decoder("Gemma3TextConfig", layer_types=["sliding_attention", "full_attention"], **GEMMA),
+    ),
+    "granite": ("GraniteForCausalLM", _decoder("GraniteConfig")),
+    "mixtral": ("MixtralForCausalLM", _decoder("MixtralConfig", num_local_experts=4, num_experts_per_tok=2)),
+    "olmo2": ("Olmo2ForCausalLM", _decoder("Olmo2Config")),
+}
+
+
+def build(name: str) -> torch.nn.Module:
+    model_class, config = ARCHS[name]
+    torch.manual_seed(0)
+    return getattr(transformers, model_class)(config())
+
+
+def padded_batch(lengths: tuple[int, ...] = LENGTHS, left: bool = False) -> dict[str, torch.Tensor]:
+    ids = torch.randint(4, VOCAB, (len(lengths), SEQ), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(len(lengths), SEQ, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        if left:
+            mask[row, SEQ - length :] = 1
+        else:
+            mask[row, :length] = 1
+    ids = ids.masked_fill(mask == 0, 0)
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def step(model: torch.nn.Module, batch: dict, autocast: bool = False):
+    """One train-mode step: loss, last hidden states (every position), every parameter's gradient."""
+    model.train()
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        output = model(**batch, output_hidden_states=True)
+    output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return output.loss.detach(), output.hidden_states[-1].detach(), grads
+
+
+def assert_same(ours, expected, bf16: bool = False) -> None:
+    (loss, hidden, grads), (ref_loss, ref_hidden, ref_grads) = ours, expected
+    assert grads.keys() == ref_grads.keys() and grads
+    tolerance = {"rtol": 2e-2, "atol": 2e-2} if bf16 else FP32
+    torch.testing.assert_close(loss, ref_loss, **tolerance)
+    torch.testing.assert_close(hidden, ref_hidden, **tolerance)  # padded positions included
+    for name, ref in ref_grads.items():
+        atol = 2e-2 * float(ref.abs().max()) if bf16 else FP32["atol"]
+        torch.testing.assert_close(grads[name], ref, rtol=tolerance["rtol"], atol=atol, msg=name)
+
+
+class _CountMaskedSdpa:
+    """Counts torch SDPA calls by whether they got a mask."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.masked = self.unmasked = 0
+        original = torch.nn.functional.scaled_dot_product_attention
+
+        def counted(*args, **kwargs):
+            mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+            if mask is None:
+                self.unmasked += 1
+            else:
+                self.masked += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+
+
+# --------------------------------------------------------------------------------------------- recogniser
+
+
+def _causal_right_padded(lengths: tuple[int, ...], tokens: int = SEQ) -> torch.Tensor:
+    positions = torch.arange(tokens)
+    valid = positions[None, :] < torch.tensor(lengths)[:, None]
+    return (positions[None, :, None] >= positions[None, None, :]) & valid[:, None, :]
+
+
+def test_recognises_causal_right_padding_per_row():
+    mask = _causal_right_padded(LENGTHS)[:, None]
+    assert hf_attention.right_padding_lengths(mask, 3, SEQ) == LENGTHS
+    assert hf_attention.right_padding_lengths(mask[:1], 3, SEQ) == (SEQ,)  # one row broadcast over the batch
+
+
+@pytest.mark.parametrize(
+    "case", ["left-padding", "sliding-window", "packed", "empty-row", "float", "other-shape", "not-causal"]
+)
+def test_other_masks_are_not_recognised(case):
+    mask = _causal_right_padded(LENGTHS)[:, None]
+    positions = torch.arange(SEQ)
+    if case == "left-padding":
+        mask = mask.flip(-1).flip(-2)
+    elif case == "sliding-window":
+        mask = mask & (positions[:, None] - positions[None, :] < 4)
+    elif case == "packed":  # two sequences in row 0: block-diagonal causal
+        mask = mask.clone()
+        mask[0, 0, 8:, :8] = False
+    elif case == "empty-row":
+        mask = _causal_right_padded((SEQ, 0, 5))[:, None]
+    elif case == "float":
+        mask = torch.zeros(mask.shape).masked_fill(~mask, float("-inf"))
+    elif case == "other-shape":
+        mask = mask.expand(3, 2, SEQ, SEQ)
+    elif case == "not-causal":
+        mask = mask.clone()
+        mask[2, 0, 0, 1] = True
+    assert hf_attention.right_padding_lengths(mask, 3, SEQ) is None
+
+
+def test_an_in_place_change_of_the_mask_is_seen(monkeypatch):
+    monkeypatch.setattr(hf_attention, "_CHECK_ELEMENTS", 64)  # several blocks of query rows
+    mask = _causal_right_padded(LENGTHS)[:, None]
+    assert hf_attention.right_padding_lengths(mask, 3, SEQ) == LENGTHS
+    mask[1, 0, 3, 9] = True  # a padding key made visible to one query
+    assert hf_attention.right_padding_lengths(mask, 3, SEQ) is None
+
+
+# --------------------------------------------------------------------------------------------- models
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_loss_gradients_and_hidden_states_equal_hfs_sdpa(name, autocast):
+    model = build(name)
+    expected = step(copy.deepcopy(model), padded_batch(), autocast)
+    hf.enable(model, padded_attention=True)
+    assert hf_attention.installed(model)
+    assert_same(step(model, padded_batch(), autocast), expected, bf16=autocast)
+
+
+def test_right_padded_attention_runs_without_a_mask(monkeypatch):
+    model = hf.enable(build("llama"), padded_attention=True)
+    counter = _CountMaskedSdpa(monkeypatch)
+    step(model, padded_batch())
+    # forward and recomputation, 2 layers: one call per row without padding, two per padded row
+    assert counter.masked == 0 and counter.unmasked == 2 * 2 * (1 + 2 + 2)
+
+
+@pytest.mark.parametrize("case", ["left-padding", "dropout", "sliding-window"])
+def test_other_calls_are_hfs_sdpa_exactly(case, monkeypatch):
+    name = "mistral-sliding" if case == "sliding-window" else "llama"
+    model = build(name)
+    if case == "dropout":
+        for module in model.modules():
+            if hasattr(module, "attention_dropout"):
+                module.attention_dropout = 0.1
+    batch = padded_batch(left=case == "left-padding")
+    torch.manual_seed(5)
+    expected = step(copy.deepcopy(model), batch)
+    hf.enable(model, padded_attention=True)
+    counter = _CountMaskedSdpa(monkeypatch)
+    torch.manual_seed(5)
+    loss, hidden, grads = step(model, batch)
+    assert counter.unmasked == 0 and counter.masked > 0
+    assert torch.equal(loss, expected[0]) and torch.equal(hidden, expected[1])
+    assert all(torch.equal(grads[k], v) for k, v in expected[2].items())
+
+
+def test_with_a_storage_policy_and_the_loss_head():
+    model = build("llama")
+    reference = copy.deepcopy(model)
+    hf.enable(reference, policy="recompute+int8", loss_head=True)
+    expected = step(reference, padded_batch(), autocast=True)
+    hf.enable(model, policy="recompute+int8", loss_head=True, padded_attention=True)
+    ours = step(model, padded_batch(), autocast=True)
+    assert_same(ours[:1] + (ours[1][:, :0],) + ours[2:], expected[:1] + (expected[1][:, :0],) + expected[2:], True)
+
+
+def test_peft_lora():
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(build("llama"), config)
+    expected = step(copy.deepcopy(model), padded_batch())
+    hf.enable(model, padded_attention=True)
+    assert_same(step(model, padded_batch()), expected)
+
+
+def test_disable_and_enable_without_it_restore_sdpa():
+    model = hf.enable(build("llama"), padded_attention=True)
+    assert model.config._attn_implementation == hf_attention.NAME
+    hf.enable(model)
+    assert model.config._attn_implementation == "sdpa" and not hf_attention.installed(model)
+    hf.enable(model, padded_attention=True)
+    hf.disable(model)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def test_refusals():
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(tiny_decoder_config("LlamaConfig", VOCAB, attn_implementation="eager")())
+    with pytest.raises(ValueError, match=r"padded_attention=True.*'eager'.*attn_implementation='sdpa'"):
+        hf.enable(eager, padded_attention=True)
+    assert not hf.is_enabled(eager)  # refused before the model was changed
+    with pytest.raises(TypeError, match="`padded_attention` must be True or False"):
+        hf.enable(build("llama"), padded_attention="yes")
