@@ -13,8 +13,10 @@ Rows, measured in the same process on the same weights and batch: plain; HF grad
 non-reentrant checkpoint: the reference of the 'x HF GC' columns); HF GC with torch's selective checkpointing
 (matmul and attention outputs saved); HF GC with a chunked loss written here (the head and cross entropy
 over token chunks, each chunk checkpointed: what a user can do without fastckpt); fastckpt's recompute+int8
-without its loss head, and its policies with it (`fastckpt.integrations.hf.enable(..., loss_head=True)`); a plan
-(`fastckpt.plan` at a third of HF GC's peak, loss head on). Gradient error: relative L2 over all trained
+without fastckpt's whole-step options, recompute:int8+int8 with the loss head alone, and its policies with the
+loss head and padded attention (`fastckpt.integrations.hf.enable(..., loss_head=True, padded_attention=True)`: the
+head and loss a chunk of tokens at a time, attention without the [tokens x tokens] mask); a plan (`fastckpt.plan`
+at a third of HF GC's peak, both options on). Gradient error: relative L2 over all trained
 parameters' gradients against plain fp32 (no autocast), same weights and batch; 'x bf16' divides it by plain
 bf16 autocast's own.
 
@@ -47,7 +49,7 @@ SCALING_DEPTH = {"full": 16, "quick": 8, "smoke": 2}
 SCALING_TOKENS = {"full": 1024, "quick": 1024, "smoke": 64}
 LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this many token chunks
 HF_GC = "HF GC"
-PLAN = "fastckpt plan + loss head"
+PLAN = "fastckpt plan + loss head + padded attention"
 PLAN_FRACTION = 1 / 3  # the plan row's budget, as a fraction of HF GC's whole-step peak
 # The planner's bound (largest relative L2 error of a parameter gradient against the plain bf16 step): the
 # int8 forms measured 1.0-1.3x bf16's own error against fp32 here, the int4 forms 7x; this admits the first.
@@ -96,10 +98,10 @@ def _hf_gc(model: torch.nn.Module, **kwargs) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **kwargs})
 
 
-def _fastckpt(policy: str, loss_head: bool) -> Callable[[torch.nn.Module], None]:
+def _fastckpt(policy: str, loss_head: bool, padded: bool = False) -> Callable[[torch.nn.Module], None]:
     from fastckpt.integrations import hf
 
-    return functools.partial(hf.enable, policy=policy, loss_head=loss_head)
+    return functools.partial(hf.enable, policy=policy, loss_head=loss_head, padded_attention=padded)
 
 
 def _sac(model: torch.nn.Module) -> None:
@@ -108,6 +110,8 @@ def _sac(model: torch.nn.Module) -> None:
 
 
 POLICIES = ("recompute+int8", "recompute:int8+int8", "recompute+int4")
+WHOLE_STEP = "loss head + padded attention"  # hf.enable(loss_head=True, padded_attention=True)
+BEST = f"fastckpt recompute:int8+int8 + {WHOLE_STEP}"  # the tables' lowest peak: the scaling figure's row
 
 
 def rows() -> list[Row]:
@@ -117,10 +121,12 @@ def rows() -> list[Row]:
         Row("HF GC + torch SAC", _sac),
         Row("HF GC + chunked loss", _hf_gc, chunked_loss),
     ]
-    # Without the loss head only the policy whose time matches HF GC's: the others' peaks are the same head.
-    found.append(Row("fastckpt recompute+int8", lambda model: _fastckpt("recompute+int8", False)(model)))
+    # Without the whole-step options only the policy whose time matches HF GC's (the others' peaks are the same
+    # head), and the lowest-peak policy with the loss head alone (what padded attention adds).
+    found.append(Row("fastckpt recompute+int8", _fastckpt("recompute+int8", False)))
+    found.append(Row("fastckpt recompute:int8+int8 + loss head", _fastckpt("recompute:int8+int8", True)))
     for policy in ("recompute", *POLICIES):
-        found.append(Row(f"fastckpt {policy} + loss head", lambda model, p=policy: _fastckpt(p, True)(model)))
+        found.append(Row(f"fastckpt {policy} + {WHOLE_STEP}", _fastckpt(policy, True, padded=True)))
     return found
 
 
@@ -226,12 +232,13 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
 
 
 def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int) -> tuple[torch.nn.Module, str]:
-    """The plan row: the loss head on, the decoder layers planned by fastckpt.plan for PLAN_FRACTION of HF GC's
-    whole-step peak (its smallest feasible budget when that is infeasible), with PLAN_MAX_ERROR."""
+    """The plan row: the loss head and padded attention on, the decoder layers planned by fastckpt.plan for
+    PLAN_FRACTION of HF GC's whole-step peak (its smallest feasible budget when that is infeasible), with
+    PLAN_MAX_ERROR."""
     from fastckpt.integrations import hf
 
     model = copy.deepcopy(base)
-    hf.enable(model, loss_head=True)
+    hf.enable(model, loss_head=True, padded_attention=True)
     model.get_base_model().activation_checkpointing_disable()  # the planner wraps the layers itself
 
     def step() -> None:
@@ -258,7 +265,7 @@ def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[
     gc, plain = results[HF_GC], results[PLAIN]
     print(f"\n== {name}: {layers} layers, 1 x {tokens} tokens (last quarter padding), bf16 autocast, "
           f"{'LoRA r=8 on ' + '/'.join(LORA_TARGETS) if lora else 'full fine-tune'}")  # fmt: skip
-    header = f"{'config':<42}{'peak MiB':>10}{'x HF GC':>9}{'ms/step':>10}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}"
+    header = f"{'config':<62}{'peak MiB':>10}{'x HF GC':>9}{'ms/step':>10}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}"
     if not lora:
         header += f"{'peak-grads MiB':>16}{'x HF GC':>9}"
     print(header)
@@ -276,14 +283,14 @@ def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[
             row["peak_less_grads_MiB"] = less / 2**20
             row["less_grads_x_hf_gc"] = less / (gc["peak"] - trained_bytes)
         table.append(row)
-        line = (f"{config:<42}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
+        line = (f"{config:<62}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
                 f"{_fmt(row['ms_per_step'], '.0f'):>10}{_fmt(row['time_x_hf_gc'], '.3f'):>9}"
                 f"{row['grad_rel_l2']:>10.2e}{row['error_x_bf16']:>8.2f}")  # fmt: skip
         if not lora:
             line += f"{row['peak_less_grads_MiB']:>16.1f}{row['less_grads_x_hf_gc']:>9.3f}"
         print(line, flush=True)
     for config, error in failed.items():
-        print(f"{config:<42}FAILED: {error}")
+        print(f"{config:<62}FAILED: {error}")
     return table
 
 
@@ -292,11 +299,10 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
-    """Peak of plain, HF GC and fastckpt's best (recompute:int8+int8 with the loss head) against tokens and depth
+    """Peak of plain, HF GC and fastckpt's best (BEST) against tokens and depth
     (llama-lora), and the fitted bytes per token per layer."""
     lengths, depths = SCALING[size]
-    best = "fastckpt recompute:int8+int8 + loss head"  # the lowest peak of the tables' rows
-    configs = {PLAIN: lambda m: None, HF_GC: _hf_gc, best: _fastckpt("recompute:int8+int8", True)}
+    configs = {PLAIN: lambda m: None, HF_GC: _hf_gc, BEST: _fastckpt("recompute:int8+int8", True, padded=True)}
     points = []
     for axis, values in (("tokens", lengths), ("layers", depths)):
         for value in values:
@@ -317,7 +323,7 @@ def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
     print(f"\n== scaling (llama-lora): peak MiB vs tokens at {SCALING_DEPTH[size]} layers and vs layers at "
           f"{SCALING_TOKENS[size]} tokens")  # fmt: skip
     columns = "".join(f"{'T=' + str(v):>9}" for v in lengths) + "".join(f"{'L=' + str(v):>8}" for v in depths)
-    print(f"{'config':<40}{columns}{'B/token/layer':>15}{'B/token':>10}")
+    print(f"{'config':<60}{columns}{'B/token/layer':>15}{'B/token':>10}")
     fits = []
     for config in configs:
         by_tokens = [p for p in points if p["config"] == config and p["axis"] == "tokens"]
@@ -328,7 +334,7 @@ def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
         fits.append({"config": config, "bytes_per_token_per_layer": per_token_layer, "bytes_per_token": per_token})
         cells = "".join(f"{p['peak_MiB']:>9.1f}" for p in by_tokens)
         cells += "".join(f"{p['peak_MiB']:>8.1f}" for p in by_layers)
-        print(f"{config:<40}{cells}{per_token_layer:>15.0f}{per_token:>10.0f}")
+        print(f"{config:<60}{cells}{per_token_layer:>15.0f}{per_token:>10.0f}")
     if out:
         write_csv(points, out, "llm_scaling.csv")
         _plot(points, os.path.join(out, "llm_scaling.png"))

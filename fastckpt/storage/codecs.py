@@ -57,7 +57,11 @@ def encode_tensor(t: torch.Tensor, codec: str, group_size: int | None, stochasti
 def sample_index(numel: int, device: torch.device) -> torch.Tensor:
     """The flat (row-major) positions two_valued samples: about _SAMPLE of them, at an odd stride (not in
     step with power-of-two rows)."""
-    return torch.arange(0, numel, max(1, numel // _SAMPLE) | 1, device=device)
+    return torch.arange(0, numel, _sample_step(numel), device=device)
+
+
+def _sample_step(numel: int) -> int:
+    return max(1, numel // _SAMPLE) | 1
 
 
 def two_valued(t: torch.Tensor) -> Encoded | None:
@@ -71,8 +75,10 @@ def two_valued(t: torch.Tensor) -> Encoded | None:
     if t.is_meta or t.numel() == 0:
         return None
     bits = t.view(_SAME_WIDTH_INT[t.dtype])  # compare bit patterns: NaN == NaN, -0.0 != 0.0
-    index = sample_index(t.numel(), t.device)
-    sample = bits.view(-1)[index] if bits.is_contiguous() else bits[torch.unravel_index(index, bits.shape)]
+    if bits.is_contiguous():  # sample_index's positions as a strided view: no index tensor, one copy fewer
+        sample = bits.view(-1)[:: _sample_step(t.numel())]
+    else:
+        sample = bits[torch.unravel_index(sample_index(t.numel(), t.device), bits.shape)]
     if len(set(sample.tolist())) > 2:
         return None
     lo, hi = bits.aminmax()  # at most two values: they are the least and the greatest
