@@ -4,6 +4,7 @@ skips for features newer than the torch floor, gradient errors, seeded gradient 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -32,6 +33,14 @@ needs_traced_checkpoint = pytest.mark.skipif(
 
 
 # ---- gradient errors
+
+
+def every_size(policy: str | fastckpt.Policy | None) -> fastckpt.Policy | None:
+    """`policy` with its recomputation's codec applied to tensors of any size: tests' tensors are smaller than
+    the default fastckpt.policies.RECOMPUTED_MIN_BYTES, under which a recomputed tensor stays plain."""
+    if policy is None:
+        return None
+    return dataclasses.replace(fastckpt.Policy.parse(policy), recompute_min_tensor_bytes=0)
 
 
 def rel_l2(got: torch.Tensor, expected: torch.Tensor) -> float:

@@ -74,6 +74,7 @@ def test_default_policy_context_nests_and_restores():
         ({"group_size": True}, ValueError, "group_size must be an integer"),
         ({"group_size": 2**40}, ValueError, "group_size must be an integer from 1 to"),
         ({"min_tensor_bytes": 1.0}, ValueError, "min_tensor_bytes must be an integer >= 0"),
+        ({"recompute_min_tensor_bytes": -1}, ValueError, "recompute_min_tensor_bytes must be an integer >= 0"),
         ({"recompute": "yes"}, TypeError, "recompute must be True or False"),
         ({"offload": 1}, TypeError, "offload must be True or False"),
         ({"rule": "int8"}, TypeError, "rule must be a callable"),

@@ -11,7 +11,8 @@ silently switching back to torch's function.
 `enable(model, loss_head=True)` also computes a causal LM's training loss through
 `fastckpt.linear_cross_entropy` (the LM head and cross entropy a chunk of tokens at a time, no full
 logits); see `_LossHead` for how the model's own forward is kept. `enable(model, padded_attention=True)`
-runs SDPA attention on right-padded batches without the [tokens x tokens] mask (hf_attention.py).
+runs SDPA attention on right-padded batches without the [tokens x tokens] mask (hf_attention.py). On a
+PEFT model, `enable` also drops LoRA's input casts that autocast undoes (`_AdapterInputCasts`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import functools
 import inspect
 import types
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -163,6 +165,7 @@ def enable(
         hf_attention.install(pretrained)
     else:
         hf_attention.remove(pretrained)
+    _AdapterInputCasts.install(pretrained)
     return model
 
 
@@ -172,6 +175,7 @@ def disable(model: Any) -> Any:
     pretrained = _pretrained_model(model)
     _LossHead.remove(pretrained)
     hf_attention.remove(pretrained)
+    _AdapterInputCasts.remove(pretrained)
     pretrained.__dict__.pop("activation_checkpointing_enable", None)
     pretrained.__dict__.pop("_fastckpt_settings", None)
     pretrained.activation_checkpointing_disable()
@@ -190,6 +194,55 @@ def is_enabled(model: Any) -> bool:
 def loss_head_enabled(model: Any) -> bool:
     """True when `model`'s training loss goes through fastckpt.linear_cross_entropy (`enable(loss_head=True)`)."""
     return bool(_pretrained_model(model).__dict__.get(_LossHead.ON, False))
+
+
+class _AdapterInputCasts:
+    """PEFT's `cast_input_dtype_enabled` of a vanilla LoRA `Linear` (no dropout, no DoRA-like variant), made
+    false while autocast runs on the adapter's device.
+
+    PEFT casts the layer's input to the adapter weights' dtype (a bf16 activation to fp32), and autocast casts
+    it straight back to bf16 for lora_A's matmul: an activation-sized fp32 copy in the forward and an fp32
+    gradient in the backward (the largest transient of a LoRA step's backward), and no value changes (both
+    casts are exact, both ways), so the step is bit for bit the same without them. Without autocast the cast
+    is what makes a bf16 input meet fp32 weights, so it stays. The flag is read at every forward; PEFT's own
+    `disable_input_dtype_casting` still overrides it.
+    """
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        self._layer = weakref.ref(layer)
+
+    def __bool__(self) -> bool:
+        layer = self._layer()
+        if layer is None:
+            return True
+        device = next(iter(layer.lora_A.values())).weight.device.type
+        return not torch.is_autocast_enabled(device)
+
+    @staticmethod
+    def _eligible(module: torch.nn.Module) -> bool:
+        try:
+            from peft.tuners.lora.layer import Linear
+        except ImportError:
+            return False
+        return (
+            isinstance(module, Linear)
+            and module.__dict__.get("cast_input_dtype_enabled") is True
+            and not module.lora_variant
+            and len(module.lora_A) > 0
+            and all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values())
+        )
+
+    @classmethod
+    def install(cls, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if cls._eligible(module):
+                module.cast_input_dtype_enabled = cls(module)
+
+    @staticmethod
+    def remove(model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module.__dict__.get("cast_input_dtype_enabled"), _AdapterInputCasts):
+                module.cast_input_dtype_enabled = True
 
 
 def _scale_of(attribute: str, invert: bool = False, on_model: bool = False) -> Callable[[Any], dict[str, Any]]:

@@ -54,6 +54,21 @@ def test_bad_recompute_codec_strings_name_the_token(spec, message):
         Policy.parse(spec)
 
 
+@pytest.mark.parametrize("threshold", [None, 0])
+def test_small_recomputed_tensors_stay_plain_by_default(threshold):
+    # tanh's [256, 64] fp32 output (64 KiB) reaches the default RECOMPUTED_MIN_BYTES, relu's [256, 8] one
+    # (8 KiB) does not; with recompute_min_tensor_bytes=0 both go through the codec.
+    narrow, wide = nn.Linear(64, 8), nn.Linear(8, 64)
+    x = torch.randn(256, 64, requires_grad=True)
+    fields = {} if threshold is None else {"recompute_min_tensor_bytes": threshold}
+    policy = Policy(recompute_codec="int8", **fields)
+    with fastckpt.track() as report:
+        fastckpt.checkpoint(lambda t: wide(torch.relu(narrow(torch.tanh(t)))), x, policy=policy).sum().backward()
+    (recomputed,) = [s for s in report.segments if s.policy.endswith("(recomputed)")]
+    assert "int8" in recomputed.codecs
+    assert (recomputed.kept_plain.get("small", 0) > 0) == (threshold is None)
+
+
 def test_recompute_codec_fields_are_checked():
     assert RECOMPUTE_TOKENS == ("recompute:int8", "recompute:fp8", "recompute:int4", "recompute:int2")
     with pytest.raises(ValueError, match="recompute_codec='int5' is not one of"):

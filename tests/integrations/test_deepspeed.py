@@ -19,7 +19,7 @@ from deepspeed import checkpointing as ds_checkpointing  # noqa: E402  (`import 
 
 import fastckpt  # noqa: E402
 import fastckpt.integrations.deepspeed as ckpt  # noqa: E402
-from tests.helpers import max_rel_l2  # noqa: E402
+from tests.helpers import every_size, max_rel_l2  # noqa: E402
 from tests.models import TransformerBlock  # noqa: E402
 from tests.multiprocess import run_in_processes  # noqa: E402
 
@@ -352,7 +352,7 @@ def test_recompute_int8_policy_and_checkpoint_in_cpu():
 
 def test_compressed_recomputation_policy_reaches_the_recomputation():
     expected = run_stack(None)
-    ckpt.configure(None, policy="recompute:int8")
+    ckpt.configure(None, policy=every_size("recompute:int8"))
     with fastckpt.track() as report:
         loss, grads = run_stack(ckpt.checkpoint)
     assert torch.equal(loss, expected[0])

@@ -189,6 +189,33 @@ def test_peft_lora_frozen_base_gets_adapter_grads(model):
         assert torch.equal(grads[name], expected_grads[name]), name
 
 
+def test_lora_input_casts_that_autocast_undoes_are_dropped_bit_for_bit():
+    # PEFT casts a LoRA layer's bf16 input to its fp32 weights' dtype and autocast casts it back: enable drops
+    # that cast under autocast (no fp32 copy of the activation, no fp32 gradient), with the same step bit for bit.
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    plain = peft.get_peft_model(tiny_llama(), config)
+    ours = hf.enable(copy.deepcopy(plain))
+    theirs = hf_own(copy.deepcopy(plain), use_reentrant=False)
+    seen = []
+    for module in ours.modules():
+        if isinstance(module, peft.tuners.lora.layer.Linear):
+            module.lora_A["default"].register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    ids = batch()
+    for autocast in (True, False):
+        seen.clear()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss, grads = train_step(ours, ids)
+            expected_loss, expected_grads = train_step(theirs, ids)
+        # down_proj's input is a bf16 matmul output under autocast: it reaches lora_A as bf16, not cast to fp32
+        assert (torch.bfloat16 in seen) == autocast and torch.float32 in seen
+        assert torch.equal(loss, expected_loss)
+        assert grads.keys() == expected_grads.keys()
+        assert all(torch.equal(grads[k], expected_grads[k]) for k in expected_grads)
+    hf.disable(ours)
+    assert all(m.cast_input_dtype_enabled is True for m in ours.modules() if hasattr(m, "cast_input_dtype_enabled"))
+
+
 def test_save_pretrained_round_trip(model, tmp_path):
     ours = hf.enable(copy.deepcopy(model), policy="int4")
     train_step(ours, batch())

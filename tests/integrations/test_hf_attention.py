@@ -215,9 +215,11 @@ def test_peft_lora():
     assert_same(step(model, padded_batch()), expected)
 
 
-def test_disable_and_enable_without_it_restore_sdpa():
+def test_disable_and_enable_without_it_restore_sdpa(tmp_path):
     model = hf.enable(build("llama"), padded_attention=True)
     assert model.config._attn_implementation == hf_attention.NAME
+    model.save_pretrained(tmp_path)  # the switch is not saved: a loaded model is HF's
+    assert "fastckpt" not in (tmp_path / "config.json").read_text()
     hf.enable(model)
     assert model.config._attn_implementation == "sdpa" and not hf_attention.installed(model)
     hf.enable(model, padded_attention=True)

@@ -12,6 +12,7 @@ import fastckpt
 from fastckpt import Policy
 from fastckpt.storage import codecs
 from fastckpt.storage.packer import SegmentStorage
+from tests.helpers import every_size
 
 # Every kind of policy with a codec: stored, offloaded, the inputs of a recompute policy, the recomputed tensors.
 CODEC_POLICIES = ["int8", "fp8", "int4", "int2", "int4+offload", "recompute+int8", "recompute:int2"]
@@ -51,7 +52,7 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> None:
 def store(t: torch.Tensor, policy: str) -> tuple[torch.Tensor, SegmentStorage]:
     """`t` packed and unpacked through the segment storage `policy` keeps it in (for 'recompute:<codec>', that
     of the recomputed tensors), as autograd would hand it back."""
-    parsed = Policy.parse(policy)
+    parsed = every_size(policy)
     storage = SegmentStorage(parsed.recomputed_storage() or parsed if parsed.codec is None else parsed)
     return storage.unpack(storage.pack(t)), storage
 
@@ -166,7 +167,7 @@ def attention_step(policy: str | None, mask: torch.Tensor, dtype: torch.dtype):
         return out.transpose(1, 2).reshape(B, T, H * D)
 
     with fastckpt.track() as report:
-        out = fastckpt.checkpoint(fn, x, mask, policy=policy) if policy else fn(x, mask)
+        out = fastckpt.checkpoint(fn, x, mask, policy=every_size(policy)) if policy else fn(x, mask)
         out.float().pow(2).sum().backward()
     return torch.cat([x.grad.flatten(), w.grad.flatten()]).float(), report
 
