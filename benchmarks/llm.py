@@ -42,9 +42,10 @@ from fastckpt import hybrid
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 256, 688, 4, 2, 4096
 LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 # (layers, tokens, warm-up steps, timed rounds) per size; scaling: (lengths at SCALING_DEPTH, depths at 1024)
-SIZES = {"full": (16, 1024, 0, 5), "quick": (8, 1024, 0, 3), "smoke": (2, 64, 0, 1)}  # the trial step warms up
+SIZES = {"full": (16, 1024, 0, 3), "quick": (8, 1024, 0, 3), "smoke": (2, 64, 0, 1)}  # the trial step warms up
 SCALING = {"full": ((512, 1024, 2048, 4096), (8, 16, 24, 32)), "quick": ((512, 1024, 2048), (8, 16)),
            "smoke": ((32, 64), (1, 2))}  # fmt: skip
+LONG_ROUNDS = 2  # timed rounds of HF GC and BEST at the scaling figure's largest length
 SCALING_DEPTH = {"full": 16, "quick": 8, "smoke": 2}
 SCALING_TOKENS = {"full": 1024, "quick": 1024, "smoke": 64}
 LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this many token chunks
@@ -205,8 +206,8 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     results = {}
 
     def measure(name: str) -> None:
-        peak = peak_bytes(timed(name), device)
-        _step(models[name], batch, losses[name])
+        """The peak of one step, and the error of the gradients that step left."""
+        peak = peak_bytes(lambda: _step(models[name], batch, losses[name]), device)
         error = relative_error(_gradients(models[name]), reference)
         models[name].zero_grad(set_to_none=True)
         results[name] = {"peak": peak, "error": error}
@@ -303,23 +304,19 @@ def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
     (llama-lora), and the fitted bytes per token per layer."""
     lengths, depths = SCALING[size]
     configs = {PLAIN: lambda m: None, HF_GC: _hf_gc, BEST: _fastckpt("recompute:int8+int8", True, padded=True)}
-    points = []
+    points, peaks, long_times = [], {}, {}  # peaks: MiB by (layers, tokens, config); the axes share a size
     for axis, values in (("tokens", lengths), ("layers", depths)):
         for value in values:
             layers = value if axis == "layers" else SCALING_DEPTH[size]
             tokens = value if axis == "tokens" else SCALING_TOKENS[size]
-            base, batch = build(True, layers, tokens, device)
-            for config, prepare in configs.items():
-                model = copy.deepcopy(base)
-                prepare(model)
-
-                def step(model=model, batch=batch) -> None:
-                    _step(model, batch, hf_loss)
-                    model.zero_grad(set_to_none=True)
-
-                step()
+            if (layers, tokens, PLAIN) not in peaks:
+                longest = axis == "tokens" and value == lengths[-1]
+                measured, times = _peaks(configs, layers, tokens, device, timed=longest)
+                peaks.update(measured)
+                long_times.update(times)
+            for config in configs:
                 points.append({"axis": axis, "config": config, "layers": layers, "tokens": tokens,
-                               "peak_MiB": peak_bytes(step, device) / 2**20})  # fmt: skip
+                               "peak_MiB": peaks[layers, tokens, config]})  # fmt: skip
     print(f"\n== scaling (llama-lora): peak MiB vs tokens at {SCALING_DEPTH[size]} layers and vs layers at "
           f"{SCALING_TOKENS[size]} tokens")  # fmt: skip
     columns = "".join(f"{'T=' + str(v):>9}" for v in lengths) + "".join(f"{'L=' + str(v):>8}" for v in depths)
@@ -335,10 +332,38 @@ def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
         cells = "".join(f"{p['peak_MiB']:>9.1f}" for p in by_tokens)
         cells += "".join(f"{p['peak_MiB']:>8.1f}" for p in by_layers)
         print(f"{config:<60}{cells}{per_token_layer:>15.0f}{per_token:>10.0f}")
+    if len(long_times) == 2:
+        layers, tokens = SCALING_DEPTH[size], lengths[-1]
+        gc_s, best_s = long_times[HF_GC], long_times[BEST]
+        ratio = peaks[layers, tokens, BEST] / peaks[layers, tokens, HF_GC]
+        print(f"at {tokens} tokens, {layers} layers: {BEST} peak {ratio:.3f}x HF GC's, "
+              f"time {best_s * 1e3:.0f} ms = {best_s / gc_s:.3f}x HF GC's {gc_s * 1e3:.0f} ms")  # fmt: skip
     if out:
         write_csv(points, out, "llm_scaling.csv")
         _plot(points, os.path.join(out, "llm_scaling.png"))
     return fits
+
+
+def _peaks(
+    configs: dict, layers: int, tokens: int, device: torch.device, timed: bool = False
+) -> tuple[dict[tuple, float], dict[str, float]]:
+    """Whole-step peak MiB of each configuration on one size (by (layers, tokens, config)), after a trial
+    step; with `timed`, also the median seconds per step of HF GC and BEST (LONG_ROUNDS interleaved rounds)."""
+    base, batch = build(True, layers, tokens, device)
+    peaks, steps = {}, {}
+    for config, prepare in configs.items():
+        model = copy.deepcopy(base)
+        prepare(model)
+
+        def step(model=model) -> None:
+            _step(model, batch, hf_loss)
+            model.zero_grad(set_to_none=True)
+
+        step()
+        peaks[layers, tokens, config] = peak_bytes(step, device) / 2**20
+        steps[config] = step
+    times = median_times({c: steps[c] for c in (HF_GC, BEST)}, device, 0, LONG_ROUNDS)[0] if timed else {}
+    return peaks, times
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:
