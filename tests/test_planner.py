@@ -156,6 +156,60 @@ def test_infeasible_budget_names_the_smallest_feasible_one(measured):
     assert measurements.plan(smallest).predicted_peak == smallest
 
 
+def test_a_plan_is_verified_by_running_it(measured):
+    measurements, step = measured
+    calls = []
+    measurements.step = lambda: (calls.append(1), step())[1]
+    try:
+        plan = measurements.plan("85%")
+        assert len(calls) == 1 and not plan.applied  # run once with the plan applied, then removed
+        assert plan.measured_peak is not None and plan.measured_peak <= plan.budget
+        assert f"measured {plan.measured_peak / 2**20:.2f} MiB" in plan.table()
+        unverified = measurements.plan("85%", verify=False)
+        assert len(calls) == 1 and unverified.measured_peak is None and "measured" not in unverified.table()
+    finally:
+        measurements.step = step
+
+
+def test_a_plan_measured_over_its_budget_is_planned_again(measured, monkeypatch):
+    measurements, _ = measured
+    budget = measurements.budget_bytes("85%")
+    first = measurements.plan(budget, verify=False)
+    missed = budget - first.predicted_peak + 1024  # what the model "misses" on every plan: the first is over
+    measured_peaks = []
+
+    def run(plan):
+        measured_peaks.append(plan.predicted_peak + missed)
+        return measured_peaks[-1]
+
+    monkeypatch.setattr(measurements, "_measure", run)
+    plan = measurements.plan(budget)
+    assert plan.policies != first.policies and plan.measured_peak <= budget
+    assert plan.predicted_peak <= budget - missed  # solved for the budget less what the first run missed
+    assert measured_peaks[0] > budget and len(measured_peaks) >= 2
+
+
+def test_no_verified_plan_names_the_smallest_verified_budget(measured, monkeypatch):
+    measurements, _ = measured
+    monkeypatch.setattr(measurements, "_measure", lambda plan: plan.budget + 2**20)  # always 1 MiB over
+    budget = measurements.budget_bytes("100%")
+    with pytest.raises(ValueError, match=r"no plan verified within the budget of .*smallest verified budget is") as e:
+        measurements.plan(budget)
+    smallest = budget + 2**20
+    assert f"smallest verified budget is {smallest} bytes" in str(e.value)
+
+
+def test_verifying_needs_the_step():
+    model, step = make(layers=2)
+    measured = measure(model, step, candidates=["recompute", "int8"], repeats=1)
+    bare = Measurements(model, measured.segments, ["recompute"], measured.by_policy)
+    assert bare.plan("100%").measured_peak is None  # no step known: not verified by default
+    with pytest.raises(ValueError, match="verify=True needs the step"):
+        bare.plan("100%", verify=True)
+    with pytest.raises(TypeError, match="`verify` must be True or False"):
+        fastckpt.plan(model, step, "100%", verify="yes")
+
+
 def test_apply_keeps_the_state_dict_and_remove_undoes_it(measured):
     measurements, step = measured
     model = measurements.model

@@ -18,6 +18,8 @@ from fastckpt.planner.model import CandidateMeasurement
 from fastckpt.planner.segments import Segment, budget_bytes, check_arguments, check_budget, device_of, find_segments
 from fastckpt.policies import Policy
 
+VERIFY_ATTEMPTS = 4  # plans a verifying plan() runs before it gives up on a budget
+
 
 class Measurements:
     """Every candidate measured on the segments of one model and step; plans for any budget come from it."""
@@ -31,8 +33,10 @@ class Measurements:
         max_error: float | None = None,
         failed: dict[str, str] | None = None,
         parsed: Iterable[Candidate] = (),
+        step: Callable[[], Any] | None = None,
     ) -> None:
         self.model = model
+        self.step = step  # the measured step: plans are verified by running it (None: they cannot be)
         self.segments = segments
         self.by_policy = by_policy
         self.max_error = max_error
@@ -59,9 +63,42 @@ class Measurements:
         check_budget(budget)
         return budget_bytes(budget, self.reference_peak)
 
-    def plan(self, budget: int | str) -> Plan:
-        """The fastest assignment predicted to fit `budget`; ValueError naming the smallest feasible budget if none."""
+    def plan(self, budget: int | str, *, verify: bool | None = None) -> Plan:
+        """The fastest assignment predicted to fit `budget`; ValueError naming the smallest feasible budget if none.
+
+        `verify` (default: whenever the step is known, i.e. for measure()'s Measurements) runs the step once
+        with the chosen plan applied and measures its peak. If that is over the budget, the plan is solved
+        again for a budget lowered by the overshoot the model missed, and verified again, up to
+        VERIFY_ATTEMPTS plans; when none fits, ValueError names the smallest peak a verified plan measured.
+        The returned plan's `measured_peak` is the verified peak (None without verification).
+        """
         limit = self.budget_bytes(budget)
+        verify = self.step is not None if verify is None else verify
+        if verify and self.step is None:
+            raise ValueError(
+                "fastckpt.Measurements.plan: verify=True needs the step; these Measurements were built without one "
+                "(fastckpt.planner.measure keeps it), or pass verify=False"
+            )
+        target, verified = limit, []
+        for _ in range(VERIFY_ATTEMPTS if verify else 1):
+            try:
+                plan = self._solve(target, limit)
+            except ValueError as infeasible:
+                if not verified:
+                    raise
+                raise self._over_budget(limit, verified) from infeasible
+            if not verify:
+                return plan
+            plan.measured_peak = self._measure(plan)
+            if plan.measured_peak <= limit:
+                return plan
+            verified.append(plan)
+            # What the model missed on this plan, assumed again on the next: solve for that much less.
+            target = min(target - 1, limit - (plan.measured_peak - plan.predicted_peak))
+        raise self._over_budget(limit, verified)
+
+    def _solve(self, target: int, limit: int) -> Plan:
+        """The fastest assignment predicted to fit `target` bytes, as a Plan for the budget `limit`."""
         excluded = (
             f" ({self.excluded} left out: their gradient error exceeds max_error={self.max_error:g})"
             if self.excluded
@@ -75,14 +112,14 @@ class Measurements:
         )
         if not self.candidates:
             raise ValueError(f"fastckpt.plan: no candidate is left to assign to the segments{excluded}")
-        policies = peak_model.fastest_within(self.by_policy, self.candidates, len(self.segments), limit)
+        policies = peak_model.fastest_within(self.by_policy, self.candidates, len(self.segments), target)
         if policies is None:
             smallest = self.smallest_feasible_budget()
             raise ValueError(
                 f"fastckpt.plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments "
-                f"fits a budget of {limit} bytes ({limit / 2**20:.2f} MiB); the smallest feasible budget is {smallest} "
-                f"bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock "
-                "checkpointing's peak)"
+                f"fits a budget of {target} bytes ({target / 2**20:.2f} MiB); the smallest feasible budget is "
+                f"{smallest} bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of "
+                "stock checkpointing's peak)"
             )
         return Plan(
             measurements=self,
@@ -90,6 +127,27 @@ class Measurements:
             budget=limit,
             predicted_peak=peak_model.predicted_peak(self.by_policy, policies),
             predicted_seconds=peak_model.predicted_seconds(self.by_policy, policies),
+        )
+
+    def _measure(self, plan: Plan) -> int:
+        """The peak of one step with `plan` applied (then removed again)."""
+        from fastckpt.memory import peak_bytes
+
+        plan.apply()
+        try:
+            return peak_bytes(self.step, device_of(self.model))
+        finally:
+            plan.remove()
+
+    def _over_budget(self, limit: int, verified: list[Plan]) -> ValueError:
+        smallest = min(p.measured_peak for p in verified)
+        tried = "; ".join(
+            f"{p.predicted_peak / 2**20:.2f} predicted, {p.measured_peak / 2**20:.2f} measured" for p in verified
+        )
+        return ValueError(
+            f"fastckpt.plan: no plan verified within the budget of {limit} bytes ({limit / 2**20:.2f} MiB): the "
+            f"plans run measured over it (MiB: {tried}); the smallest verified budget is {smallest} bytes "
+            f"({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock checkpointing's peak)"
         )
 
     def smallest_feasible_budget(self) -> int:
@@ -152,6 +210,7 @@ class Plan:
     predicted_peak: int
     predicted_seconds: float
     applied: bool = field(default=False)
+    measured_peak: int | None = None  # the peak of one step with the plan applied, when plan() verified it
 
     @property
     def model(self) -> nn.Module:
@@ -197,9 +256,10 @@ class Plan:
                 f"{segment.name:<24}{policy:<22}{cost.kept_bytes / 2**20:>10.2f}{cost.backward_level / 2**20:>10.2f}"
                 f"{cost.seconds * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
             )
+        measured = "" if self.measured_peak is None else f", measured {self.measured_peak / 2**20:.2f} MiB"
         lines.append(
-            f"predicted peak {self.predicted_peak / 2**20:.2f} MiB (budget {self.budget / 2**20:.2f} MiB, stock "
-            f"checkpoint {self.measurements.reference_peak / 2**20:.2f} MiB); predicted step "
+            f"predicted peak {self.predicted_peak / 2**20:.2f} MiB{measured} (budget {self.budget / 2**20:.2f} MiB, "
+            f"stock checkpoint {self.measurements.reference_peak / 2**20:.2f} MiB); predicted step "
             f"{self.predicted_seconds * 1e3:.1f} ms (stock {self.measurements.reference_seconds * 1e3:.1f} ms)"
         )
         return "\n".join(lines)
@@ -224,6 +284,7 @@ def plan(
     *,
     repeats: int = 2,
     max_error: float | None = None,
+    verify: bool = True,
 ) -> Plan:
     """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
 
@@ -248,10 +309,14 @@ def plan(
     same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs, but
     that is not guaranteed). Runs step() 2 + len(candidates) * (1 + repeats) times, plus 1 + len(candidates)
     with max_error; batch candidates add one step (the sample check) and, with max_error, one per slice count
-    (their reference). ValueError if no assignment fits, naming the smallest budget.
+    (their reference). ValueError if no assignment fits, naming the smallest budget. `verify` (default True)
+    runs the chosen plan once and plans again while it measures over the budget (Measurements.plan).
     """
     check_budget(budget)
-    return measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error).plan(budget)
+    if not isinstance(verify, bool):
+        raise TypeError(f"fastckpt.plan: `verify` must be True or False, got {verify!r}")
+    measured = measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error)
+    return measured.plan(budget, verify=verify)
 
 
 def measure(
@@ -284,4 +349,4 @@ def measure(
         ran = [c for c in measured if c.name in by_policy]
         for name, error in gradient_errors(model, segments, step, ran, device).items():
             by_policy[name].grad_error = error
-    return Measurements(model, segments, names, by_policy, max_error, failed, parsed=measured)
+    return Measurements(model, segments, names, by_policy, max_error, failed, parsed=measured, step=step)

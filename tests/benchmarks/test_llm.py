@@ -17,7 +17,7 @@ from benchmarks import compare, llm  # noqa: E402
 def test_smoke_run_writes_every_row_and_the_scaling_figure(tmp_path):
     rows = llm.main(out=str(tmp_path), smoke=True)
     names = {row["config"] for row in rows if row["workload"] == "llama-lora"}
-    assert {llm.PLAIN, llm.HF_GC, llm.PLAN, "fastckpt recompute:int8+int8 + loss head"} <= names
+    assert {llm.PLAIN, llm.HF_GC, llm.PLAN, llm.BEST, "fastckpt recompute:int8+int8 + loss head"} <= names
     for row in rows:
         assert math.isfinite(row["peak_MiB"]) and row["peak_MiB"] > 0 and math.isfinite(row["grad_rel_l2"])
         if row["config"] == llm.HF_GC:

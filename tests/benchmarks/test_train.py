@@ -30,3 +30,17 @@ def test_apply_plan_wraps_the_blocks_or_says_the_budget_was_infeasible():
     policies = chosen.split(", ")
     assert len(policies) == 3
     assert [isinstance(b, CheckpointWrapper) for b in model.blocks] == [p != "none" for p in policies]
+
+
+def test_lora_job_trains_on_padded_batches():
+    tokens = torch.randint(0, 256, (8, 33))
+    batch = bench.padded(tokens, torch.Generator().manual_seed(0))
+    lengths = batch["attention_mask"].sum(1)
+    assert ((lengths >= 16) & (lengths <= 33)).all() and (lengths < 33).any()
+    assert torch.equal(batch["labels"] == -100, batch["attention_mask"] == 0)
+    cpu = torch.device("cpu")
+    text = bench.corpus(cpu)
+    val = bench.batches(text[-100_000:], 1, 4, 64, seed=2)
+    name = "fastckpt recompute:int8+int8 + loss head + padded attention"
+    row = bench.train_lora(name, text[:-100_000], val, steps=2, device=cpu)
+    assert row["policy"] == name and math.isfinite(row["final_train_loss"]) and math.isfinite(row["val_loss"])
