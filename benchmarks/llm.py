@@ -52,9 +52,10 @@ LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this m
 HF_GC = "HF GC"
 PLAN = "fastckpt plan + loss head + padded attention"
 PLAN_FRACTION = 1 / 3  # the plan row's budget, as a fraction of HF GC's whole-step peak
-# The planner's bound (largest relative L2 error of a parameter gradient against the plain bf16 step): the
-# int8 forms measured 1.0-1.3x bf16's own error against fp32 here, the int4 forms 7x; this admits the first.
-PLAN_MAX_ERROR = 5e-2
+# The planner's bound: its error is the largest relative L2 error of one parameter's gradient against the plain
+# bf16 step (not fp32): the int8 forms measured 2.4e-2 to 6.0e-2 there (1.2-1.3x bf16's own error against fp32
+# in this table's measure), the int4 forms 0.6-0.7 (7x); this admits the first.
+PLAN_MAX_ERROR = 8e-2
 PLAIN = "plain"
 
 
@@ -253,9 +254,9 @@ def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int) -> tuple[torch
         plan = measurements.plan(budget)
         note = f"budget {budget / 2**20:.1f} MiB ({PLAN_FRACTION:.0%} of HF GC's peak)"
     except ValueError:
-        budget = measurements.smallest_feasible_budget()
-        plan = measurements.plan(budget)
-        note = f"{PLAN_FRACTION:.0%} of HF GC's peak is infeasible; smallest feasible {budget / 2**20:.1f} MiB"
+        plan = measurements.smallest_plan()
+        note = f"{PLAN_FRACTION:.0%} of HF GC's peak is infeasible; smallest plan {plan.budget / 2**20:.1f} MiB"
+    note += f" (predicted {plan.predicted_peak / 2**20:.1f}, verified {plan.measured_peak / 2**20:.1f})"
     plan.apply()
     counts = {name: plan.policies.count(name) for name in dict.fromkeys(plan.policies)}
     return model, note + "; layers: " + ", ".join(f"{count} x {name}" for name, count in counts.items())

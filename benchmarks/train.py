@@ -87,7 +87,7 @@ def _loss(model: CharGPT, tokens: torch.Tensor, policy: str | None) -> torch.Ten
 
 def apply_plan(model: CharGPT, tokens: torch.Tensor, fraction: float) -> tuple[str, str]:
     """Plan the model's blocks for `fraction` of stock checkpoint's peak on a training step of `tokens`
-    (the smallest feasible budget if that one is infeasible) and apply the plan; returns (budget, policies)."""
+    (the smallest plan if that one is infeasible) and apply the plan; returns (budget, policies)."""
 
     def step() -> None:
         _loss(model, tokens, None).backward()
@@ -101,9 +101,8 @@ def apply_plan(model: CharGPT, tokens: torch.Tensor, fraction: float) -> tuple[s
         plan = measurements.plan(f"{100 * fraction:g}%")
         budget = f"{fraction:.0%} of stock's peak"
     except ValueError:
-        smallest = measurements.smallest_feasible_budget()
-        plan = measurements.plan(smallest)
-        budget = f"{smallest / measurements.reference_peak:.0%} of stock's peak ({fraction:.0%} is infeasible)"
+        plan = measurements.smallest_plan()
+        budget = f"{plan.budget / measurements.reference_peak:.0%} of stock's peak ({fraction:.0%} is infeasible)"
     plan.apply()
     return budget, ", ".join(plan.policies)
 

@@ -199,6 +199,15 @@ def test_no_verified_plan_names_the_smallest_verified_budget(measured, monkeypat
     assert f"smallest verified budget is {smallest} bytes" in str(e.value)
 
 
+def test_smallest_plan_is_the_smallest_predicted_assignment_with_its_measured_budget(measured):
+    measurements, _ = measured
+    unverified = measurements.smallest_plan(verify=False)
+    assert unverified.predicted_peak == unverified.budget == measurements.smallest_feasible_budget()
+    verified = measurements.smallest_plan()
+    assert verified.policies == unverified.policies and verified.measured_peak is not None
+    assert verified.budget == max(verified.predicted_peak, verified.measured_peak) and not verified.applied
+
+
 def test_verifying_needs_the_step():
     model, step = make(layers=2)
     measured = measure(model, step, candidates=["recompute", "int8"], repeats=1)

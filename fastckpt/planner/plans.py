@@ -147,8 +147,26 @@ class Measurements:
         return ValueError(
             f"fastckpt.plan: no plan verified within the budget of {limit} bytes ({limit / 2**20:.2f} MiB): the "
             f"plans run measured over it (MiB: {tried}); the smallest verified budget is {smallest} bytes "
-            f"({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock checkpointing's peak)"
+            f"({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock checkpointing's peak); "
+            "smallest_plan() gives the assignment of the smallest predicted peak with its measured budget"
         )
+
+    def smallest_plan(self, *, verify: bool | None = None) -> Plan:
+        """The assignment the model predicts the smallest peak for (the fallback when a budget is infeasible).
+        Verified as `plan` verifies (default: whenever the step is known), its budget is the larger of the
+        predicted and the measured peak: a budget it is known to meet."""
+        verify = self.step is not None if verify is None else verify
+        if verify and self.step is None:
+            raise ValueError("fastckpt.Measurements.smallest_plan: verify=True needs the step; pass verify=False")
+        if not self.candidates:
+            raise ValueError("fastckpt.plan: no candidate is left to assign to the segments")
+        policies = peak_model.smallest_peak(self.by_policy, self.candidates, len(self.segments))
+        predicted = peak_model.predicted_peak(self.by_policy, policies)
+        plan = Plan(self, policies, predicted, predicted, peak_model.predicted_seconds(self.by_policy, policies))
+        if verify:
+            plan.measured_peak = self._measure(plan)
+            plan.budget = max(predicted, plan.measured_peak)
+        return plan
 
     def smallest_feasible_budget(self) -> int:
         """The smallest budget (bytes) some assignment of the candidates is predicted to fit."""

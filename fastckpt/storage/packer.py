@@ -4,7 +4,7 @@ Every tensor autograd saves inside the segment comes through `pack`. Tensors tha
 anyway or not worth storing differently (parameters, small, integer, sparse, subclasses) are
 kept as they are; the rest are stored through the policy's codec (exactly, at 1 bit per element, when a
 float tensor holds at most two values) and/or moved to host memory.
-The same tensor saved by several ops is stored once. Under autocast, a low-precision copy of a parameter
+The same tensor saved by several ops or segments is stored once. Under autocast, a low-precision copy of a parameter
 is kept as a reference to the parameter and cast again in backward (fastckpt.storage.roles).
 """
 
@@ -90,6 +90,32 @@ class _Stored:
         )
 
 
+class _StoredOnce:
+    """Stored forms by the key of the tensor they were made from, shared by every storage. The address in the
+    key identifies the storage only while the first tensor saved from it is alive (then the allocator may hand
+    it to a new tensor): an entry is dropped when that tensor or the stored form dies."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+
+    def get(self, key: tuple) -> _Stored | None:
+        first_saved, stored_ref = self._entries.get(key, (None, None))
+        if first_saved is None or first_saved() is None:
+            return None
+        return stored_ref()
+
+    def put(self, key: tuple, t: torch.Tensor, stored: _Stored) -> None:
+        def drop(_: weakref.ref) -> None:
+            if self._entries.get(key, (None, None))[0] is first_saved:
+                del self._entries[key]
+
+        first_saved = weakref.ref(t, drop)
+        self._entries[key] = (first_saved, weakref.ref(stored, lambda _: drop(first_saved)))
+
+
+_SHARED = _StoredOnce()
+
+
 class SegmentStorage:
     """pack/unpack for one checkpointed call; also used for the inputs of a recompute policy."""
 
@@ -99,7 +125,6 @@ class SegmentStorage:
         # (e.g. the recomputed tensors of a 'recompute:int4' segment are stored with plain 'int4').
         self.record = SegmentRecord(policy=label or str(policy))
         # Weak on both sides: autograd releases each saved tensor right after its node ran, and so must we.
-        self._stored_by_key: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._offload_group: offload.OffloadGroup | None = None  # this segment's host copies (prefetched together)
         self._backward_started = False
         self._watch = roles.ParameterWatch()
@@ -134,16 +159,26 @@ class SegmentStorage:
             # Detached: t itself would tie an output to its own grad_fn (a reference cycle); the
             # detached tensor shares t's version counter.
             return _Stored(None, (t.detach(),), on_host=False, version=t._version)
-        # The same storage, view and version saved twice (e.g. by two ops) is stored once. The address
-        # only identifies the storage while the first tensor saved from it is alive: after that, the
-        # allocator may have handed the same address to a new tensor.
-        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
-        first_saved, stored_ref = self._stored_by_key.get(key, (lambda: None, lambda: None))
-        stored = stored_ref()
-        if stored is None or first_saved() is None:
+        # The same storage, view and version saved twice (by two ops, or by several segments: an attention
+        # mask or position embeddings every layer takes) is stored once while its first stored form lives.
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+            t._version,
+            t.device,
+            policy.codec,
+            policy.group_size,
+            policy.stochastic_rounding,
+            id(self) if policy.offload else None,
+        )  # fmt: skip  (host copies are prefetched per segment)
+        stored = _SHARED.get(key)
+        if stored is None:
             record.count_raw(t)
             stored = self._store(t, policy)
-            self._stored_by_key[key] = (weakref.ref(t), weakref.ref(stored))
+            _SHARED.put(key, t, stored)
         record.pack_seconds += time.perf_counter() - start
         return stored
 

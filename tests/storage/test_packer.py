@@ -47,6 +47,33 @@ def test_track_counts_each_stored_tensor_once_and_never_parameters():
     assert "save" in report.table()
 
 
+@pytest.mark.parametrize("policy", ["recompute+int8", "int8"])
+def test_a_tensor_every_segment_takes_is_stored_once(policy):
+    # An attention mask or position embeddings, passed to every layer: one stored copy for all segments.
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64) for _ in range(3)]
+    shared = torch.randn(32, 64)  # no grad: a per-step constant every segment takes as an input
+    x = torch.randn(32, 64, requires_grad=True)
+
+    def run(copies: bool) -> tuple:
+        for layer in layers:
+            layer.zero_grad(set_to_none=True)
+        with fastckpt.track() as report:
+            h = x
+            for layer in layers:
+                s = shared.clone() if copies else shared
+                h = fastckpt.checkpoint(lambda h, s, layer=layer: layer(h) * s, h, s, policy=policy)
+            h.sum().backward()
+        return report, [p.grad.clone() for layer in layers for p in layer.parameters()]
+
+    shared_report, grads = run(copies=False)
+    copies_report, copies_grads = run(copies=True)
+    # the first segment stores `shared`; the other two find its stored form
+    assert copies_report.raw_bytes - shared_report.raw_bytes == 2 * shared.numel() * shared.element_size()
+    assert copies_report.device_bytes > shared_report.device_bytes
+    assert_all_equal(grads, copies_grads)  # the same stored form, decoded for each
+
+
 def test_track_around_backward_only_still_reports_the_segment():
     x = torch.randn(64, 64, requires_grad=True) * 1
     out = fastckpt.checkpoint(lambda x: x.exp().sin(), x, policy="save")
