@@ -3,8 +3,8 @@
 # H200 image: torch preinstalled, nothing downloadable). Builds fastckpt._C and fastckpt._reentrant
 # against that machine's torch for arch 9.0, runs the whole test suite (the cuda-marked tests, and the
 # rest under that image's torch, older than CI's pin), then the GPU benchmarks, and writes into the folder given
-# as $1 at most six files (the device tool returns at most 8): summary.txt, the benchmarks' results.md
-# and ops/train/offload CSVs, and logs.tar.gz (every step's log, the tests' JUnit XML, every benchmark
+# as $1 at most seven files (the device tool returns at most 8): summary.txt, the benchmarks' results.md
+# and ops/train/offload/llm CSVs, and logs.tar.gz (every step's log, the tests' JUnit XML, every benchmark
 # output: per-workload CSVs and plots). The step deadlines add up to under 9 minutes. Usage: scripts/gpu_check.sh "$OUT"
 set -uo pipefail
 out="${1:?usage: scripts/gpu_check.sh OUTPUT_DIR}"
@@ -35,12 +35,14 @@ if step build 150 "$py" setup.py build_ext --inplace; then
   # The suite takes ~2.5 minutes serially; the image has pytest-xdist, so spread it over 8 workers.
   parallel=()
   "$py" -c "import xdist" 2>/dev/null && parallel=(-n 8)
-  step tests 150 "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" --junitxml="$logs/tests.xml"
+  step tests 125 "$py" -m pytest -q -p no:cacheprovider "${parallel[@]}" --junitxml="$logs/tests.xml"
   # The four workloads only: the planner and compile sections would not fit the deadline.
   step bench 80 "$py" -m benchmarks checkpoint --device cuda --workloads seed-cnn,gpt2,gpt2-long,llama --out "$bench"
   step bench_ops 50 "$py" -m benchmarks ops --device cuda --out "$bench"
   step bench_train 30 "$py" -m benchmarks train --device cuda --quick --out "$bench"
   step bench_offload 25 "$py" -m benchmarks offload --device cuda --quick --out "$bench"
+  # The whole step of a bf16 Llama fine-tune (8 layers; needs transformers and peft in the image).
+  step bench_llm 35 "$py" -m benchmarks llm --device cuda --quick --out "$bench"
   # The seed CNN's four torch.cuda memory numbers, next to the classic write-up's 69.58 -> 40.80 MB.
   step cifar_cnn 25 "$py" examples/cifar10_cnn.py --device cuda --steps 10 --mode plain --mode torch \
     --mode fastckpt:recompute --mode fastckpt:int8 --mode fastckpt:int4
@@ -51,10 +53,10 @@ fi
   cat "$logs/env.log"
   printf '%s\n' "${status[@]}"
   [ -f "$logs/tests.log" ] && tail -n 3 "$logs/tests.log"
-  for log in info bench bench_ops bench_train bench_offload cifar_cnn; do [ -f "$logs/$log.log" ] && grep -v '^USDT' "$logs/$log.log" | tail -n 40; done
+  for log in info bench bench_ops bench_train bench_offload bench_llm cifar_cnn; do [ -f "$logs/$log.log" ] && grep -v '^USDT' "$logs/$log.log" | tail -n 40; done
   [ -f "$logs/build.log" ] && grep -m5 -E "error|FAILED" "$logs/build.log"
 } 2>&1 | tee "$out/summary.txt"
-for table in results.md ops_cuda.csv train_cuda.csv offload_cuda.csv; do
+for table in results.md ops_cuda.csv train_cuda.csv offload_cuda.csv llm_lora.csv; do
   [ -f "$bench/$table" ] && cp "$bench/$table" "$out/"
 done
 tar -czf "$out/logs.tar.gz" -C "$logs" .
