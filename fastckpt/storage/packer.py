@@ -3,9 +3,9 @@
 Every tensor autograd saves inside the segment comes through `pack`. Tensors that are alive
 anyway or not worth storing differently (parameters, small, integer, sparse, subclasses) are
 kept as they are; the rest are stored through the policy's codec (exactly, at 1 bit per element, when a
-float tensor holds at most two values) and/or moved to host memory.
-The same tensor saved by several ops or segments is stored once. Under autocast, a low-precision copy of a parameter
-is kept as a reference to the parameter and cast again in backward (fastckpt.storage.roles).
+float tensor holds at most two values) and/or moved to host memory. The same tensor saved by several ops or
+segments is stored once. Under autocast, a low-precision copy of a parameter is kept as a reference to the
+parameter and cast again in backward (fastckpt.storage.roles).
 """
 
 from __future__ import annotations
@@ -160,20 +160,11 @@ class SegmentStorage:
             # detached tensor shares t's version counter.
             return _Stored(None, (t.detach(),), on_host=False, version=t._version)
         # The same storage, view and version saved twice (by two ops, or by several segments: an attention
-        # mask or position embeddings every layer takes) is stored once while its first stored form lives.
-        key = (
-            t.untyped_storage().data_ptr(),
-            t.storage_offset(),
-            tuple(t.shape),
-            t.stride(),
-            t.dtype,
-            t._version,
-            t.device,
-            policy.codec,
-            policy.group_size,
-            policy.stochastic_rounding,
-            id(self) if policy.offload else None,
-        )  # fmt: skip  (host copies are prefetched per segment)
+        # mask or position embeddings every layer takes) is stored once while its first stored form lives;
+        # host copies only within a segment (they are prefetched per segment).
+        owner = id(self) if policy.offload else None
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version,
+               t.device, policy.codec, policy.group_size, policy.stochastic_rounding, owner)  # fmt: skip
         stored = _SHARED.get(key)
         if stored is None:
             record.count_raw(t)
