@@ -208,6 +208,36 @@ def test_smallest_plan_is_the_smallest_predicted_assignment_with_its_measured_bu
     assert verified.budget == max(verified.predicted_peak, verified.measured_peak) and not verified.applied
 
 
+@pytest.mark.parametrize("max_error", [None, 0.5])
+def test_progress_bar_counts_every_step_run(max_error, monkeypatch, capsys):
+    import tqdm.auto
+
+    bars = []
+
+    class Recorder:
+        def __init__(self, total, disable, **kwargs):
+            self.total, self.disable, self.n = total, disable, 0
+            bars.append(self)
+
+        def update(self, n=1):
+            self.n += n
+
+        def close(self):
+            self.closed = True
+
+    model, step = make(layers=2)
+    measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=max_error)
+    assert capsys.readouterr().err == ""  # the real bar: silent when stderr is not a terminal
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=max_error)
+    measure(model, step, candidates=["recompute", "int8"], repeats=1, progress=False)
+    (shown, hidden) = bars
+    assert shown.n == shown.total and shown.closed and shown.disable is None  # the count plan()'s docstring gives
+    assert hidden.disable is True
+    with pytest.raises(TypeError, match="`progress` must be True or False"):
+        measure(model, step, progress="yes")
+
+
 def test_verifying_needs_the_step():
     model, step = make(layers=2)
     measured = measure(model, step, candidates=["recompute", "int8"], repeats=1)

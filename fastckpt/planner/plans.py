@@ -303,6 +303,7 @@ def plan(
     repeats: int = 2,
     max_error: float | None = None,
     verify: bool = True,
+    progress: bool = True,
 ) -> Plan:
     """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
 
@@ -325,15 +326,17 @@ def plan(
     error of a parameter's gradient against no checkpointing (a batch slice: against the same slices kept
     exactly, which draw random ops in the same order), measured with every segment under the candidate and the
     same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs, but
-    that is not guaranteed). Runs step() 2 + len(candidates) * (1 + repeats) times, plus 1 + len(candidates)
-    with max_error; batch candidates add one step (the sample check) and, with max_error, one per slice count
-    (their reference). ValueError if no assignment fits, naming the smallest budget. `verify` (default True)
-    runs the chosen plan once and plans again while it measures over the budget (Measurements.plan).
+    that is not guaranteed). Runs step() 1 + n * (1 + repeats) times (n: the candidates, 'recompute' among
+    them), plus 1 + n with max_error; batch candidates add one step (the sample check) and, with max_error,
+    one per slice count (their reference). ValueError if no assignment fits, naming the smallest budget.
+    `verify` (default True) runs the chosen plan once and plans again while it measures over the budget
+    (Measurements.plan). `progress` shows a progress bar with the remaining time while it measures (tqdm,
+    on a terminal only).
     """
     check_budget(budget)
     if not isinstance(verify, bool):
         raise TypeError(f"fastckpt.plan: `verify` must be True or False, got {verify!r}")
-    measured = measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error)
+    measured = measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error, progress=progress)
     return measured.plan(budget, verify=verify)
 
 
@@ -345,26 +348,53 @@ def measure(
     *,
     repeats: int = 2,
     max_error: float | None = None,
+    progress: bool = True,
 ) -> Measurements:
-    """Measure every candidate on the segments (what `plan` does before solving); plan any budget from it."""
+    """Measure every candidate on the segments (what `plan` does before solving); plan any budget from it.
+    `progress`: a progress bar of the step() runs with the remaining time (tqdm, on a terminal only)."""
     check_arguments(model, step, check_fn, repeats, max_error)
+    if not isinstance(progress, bool):
+        raise TypeError(f"fastckpt.plan: `progress` must be True or False, got {progress!r}")
     parsed = parse_candidates(candidates)
     segments = find_segments(model, check_fn)
     device = device_of(model)
     names = [candidate.name for candidate in parsed]
     measured = parsed if REFERENCE in names else [*parsed, parse_candidate(REFERENCE)]
-    mixing = samples_mixed(segments, step, device, parsed)
-    if mixing:
-        measured = [c for c in measured if c.batch_slices == 1]
-    by_policy, failed = measure_candidates(model, segments, step, measured, device, repeats)
-    for candidate in parsed:
-        if candidate.batch_slices in mixing:
-            failed[candidate.name] = mixing[candidate.batch_slices]
-            warnings.warn(
-                f"fastckpt.plan: candidate {candidate.name!r} left out: {failed[candidate.name]}", stacklevel=2
-            )
+    bar = _progress_bar(measured, repeats, max_error, progress)
+    user_step = step
+
+    def step() -> Any:
+        result = user_step()
+        bar.update()
+        return result
+
+    try:
+        mixing = samples_mixed(segments, step, device, parsed)
+        if mixing:
+            measured = [c for c in measured if c.batch_slices == 1]
+        by_policy, failed = measure_candidates(model, segments, step, measured, device, repeats)
+        for candidate in parsed:
+            if candidate.batch_slices in mixing:
+                failed[candidate.name] = mixing[candidate.batch_slices]
+                warnings.warn(
+                    f"fastckpt.plan: candidate {candidate.name!r} left out: {failed[candidate.name]}", stacklevel=2
+                )
+        if max_error is not None:
+            ran = [c for c in measured if c.name in by_policy]
+            for name, error in gradient_errors(model, segments, step, ran, device).items():
+                by_policy[name].grad_error = error
+    finally:
+        bar.close()
+    return Measurements(model, segments, names, by_policy, max_error, failed, parsed=measured, step=user_step)
+
+
+def _progress_bar(candidates: list[Candidate], repeats: int, max_error: float | None, enabled: bool) -> Any:
+    """tqdm over the step() runs measure() makes (the count plan()'s docstring gives); silent when not enabled
+    or when stderr is not a terminal (tqdm's disable=None)."""
+    from tqdm.auto import tqdm
+
+    slices = {c.batch_slices for c in candidates if c.batch_slices > 1}
+    total = 1 + len(candidates) * (1 + repeats) + (1 if slices else 0)
     if max_error is not None:
-        ran = [c for c in measured if c.name in by_policy]
-        for name, error in gradient_errors(model, segments, step, ran, device).items():
-            by_policy[name].grad_error = error
-    return Measurements(model, segments, names, by_policy, max_error, failed, parsed=measured, step=step)
+        total += 1 + len(candidates) + len(slices)
+    return tqdm(total=total, desc="fastckpt.plan: measuring", unit="step", disable=None if enabled else True)
