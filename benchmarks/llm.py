@@ -35,7 +35,6 @@ from dataclasses import dataclass
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-import fastckpt.planner
 from benchmarks.harness import error_line, median_times, peak_bytes, quiet_profiler_logs, write_csv
 from fastckpt import hybrid
 
@@ -234,21 +233,15 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
 
 
 def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int) -> tuple[torch.nn.Module, str]:
-    """The plan row: the loss head and padded attention on, the decoder layers planned by fastckpt.plan for
-    PLAN_FRACTION of HF GC's whole-step peak (its smallest feasible budget when that is infeasible), with
+    """The plan row: the loss head and padded attention on, the decoder layers planned (hf.measure, then the
+    plan) for PLAN_FRACTION of HF GC's whole-step peak (its smallest plan when that is infeasible), with
     PLAN_MAX_ERROR."""
     from fastckpt.integrations import hf
 
     model = copy.deepcopy(base)
     hf.enable(model, loss_head=True, padded_attention=True)
-    model.get_base_model().activation_checkpointing_disable()  # the planner wraps the layers itself
-
-    def step() -> None:
-        _step(model, batch, hf_loss)
-        model.zero_grad(set_to_none=True)
-
     with quiet_profiler_logs():  # the planner's CPU memory trace runs the profiler
-        measurements = fastckpt.planner.measure(model, step, repeats=1, max_error=PLAN_MAX_ERROR)
+        measurements = hf.measure(model, batch, autocast=torch.bfloat16, repeats=1, max_error=PLAN_MAX_ERROR)
     budget = int(PLAN_FRACTION * hf_gc_peak)
     try:
         plan = measurements.plan(budget)

@@ -182,6 +182,66 @@ def disable(model: Any) -> Any:
     return model
 
 
+def plan(
+    model: Any,
+    batch: dict[str, Any],
+    budget: int | str,
+    *,
+    autocast: torch.dtype | None = None,
+    verify: bool = True,
+    **measure_kwargs: Any,
+) -> Any:
+    """`fastckpt.plan` for a transformers model, the step built from a sample batch (see `measure`); returns
+    the Plan, verified unless `verify=False` (not applied: `plan.apply()` wraps the layers)."""
+    from fastckpt.planner.segments import check_budget
+
+    check_budget(budget)
+    if not isinstance(verify, bool):
+        raise TypeError(f"fastckpt.integrations.hf.plan: `verify` must be True or False, got {verify!r}")
+    return measure(model, batch, autocast=autocast, **measure_kwargs).plan(budget, verify=verify)
+
+
+def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None = None, **measure_kwargs: Any) -> Any:
+    """`fastckpt.planner.measure` for a transformers model (plans for any budget come from its result).
+
+    The step is one training step on `batch` (keyword arguments of the model's forward, with `labels`):
+    forward (`use_cache=False` unless the batch says otherwise; under `torch.autocast(device, autocast)` when
+    `autocast` is a dtype), `loss.backward()`, then the gradients set to None, as a training loop's
+    `zero_grad` leaves them. The segments are the layers HF checkpoints (its `GradientCheckpointingLayer`s);
+    HF's own checkpointing of them is turned off here, since a plan checkpoints them itself (the loss head and
+    padded attention of an earlier `enable` stay). `measure_kwargs` go to `fastckpt.planner.measure`
+    (candidates, repeats, max_error, progress).
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from fastckpt import planner
+
+    pretrained = _pretrained_model(model)
+    if not isinstance(batch, dict) or "labels" not in batch:
+        raise ValueError(
+            "fastckpt.integrations.hf.plan: `batch` must be a dict of the model's forward arguments with "
+            "`labels` (the step's loss is the model's own), e.g. {'input_ids': ..., 'attention_mask': ..., "
+            "'labels': ...}"
+        )
+    if autocast is not None and not (isinstance(autocast, torch.dtype) and autocast.is_floating_point):
+        raise TypeError(f"fastckpt.integrations.hf.plan: `autocast` must be a float dtype or None, got {autocast!r}")
+    device = next(pretrained.parameters()).device
+    # No KV cache, as in training (HF turns it off under its checkpointing, which the plan replaces).
+    uses_cache = "use_cache" in inspect.signature(type(pretrained).forward).parameters
+    inputs = {"use_cache": False, **batch} if uses_cache else dict(batch)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = model(**inputs).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    if pretrained.is_activation_checkpointing:
+        pretrained.activation_checkpointing_disable()
+    check_fn = lambda m: isinstance(m, GradientCheckpointingLayer)  # noqa: E731
+    return planner.measure(model, step, check_fn, **measure_kwargs)
+
+
 def is_enabled(model: Any) -> bool:
     """True when some layer of `model` is checkpointed through fastckpt."""
     return any(

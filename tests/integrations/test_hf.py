@@ -285,3 +285,28 @@ def test_planner_with_batch_slices_and_attention_kept():
     with pytest.warns(UserWarning, match="'batch2:recompute' failed on this model.*key/value cache"):
         measurements = measure(model, step, candidates=["recompute", "batch2:recompute"], repeats=1)
     assert measurements.candidates == ["recompute"]
+
+
+def test_plan_from_a_sample_batch():
+    # hf.plan builds the step from a batch (forward with labels, backward), plans HF's checkpointing layers
+    # (HF's own checkpointing turned off) and returns a verified plan that apply() puts on the layers.
+    model = hf.enable(tiny_llama(), policy="recompute", loss_head=True, padded_attention=True)
+    ids = batch()
+    mask = torch.ones_like(ids)
+    mask[1, 16:] = 0
+    sample = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    plan = hf.plan(model, sample, "100%", autocast=torch.bfloat16, candidates=["recompute", "recompute+int8"],
+                   repeats=1, progress=False)  # fmt: skip
+    assert not model.is_activation_checkpointing and not hf.is_enabled(model)
+    assert len(plan.policies) == LAYERS and plan.measured_peak is not None and plan.measured_peak <= plan.budget
+    layers = model.model.layers
+    plan.apply()
+    assert all(isinstance(layer, fastckpt.CheckpointWrapper) for layer in layers)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**sample, use_cache=False).loss
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    with pytest.raises(ValueError, match="`batch` must be a dict of the model's forward arguments with `labels`"):
+        hf.plan(model, {"input_ids": ids}, "100%")
+    with pytest.raises(TypeError, match="`autocast` must be a float dtype or None"):
+        hf.plan(model, sample, "100%", autocast="bf16")
