@@ -13,6 +13,7 @@ silently switching back to torch's function.
 logits); see `_LossHead` for how the model's own forward is kept. `enable(model, padded_attention=True)`
 runs SDPA attention on right-padded batches without the [tokens x tokens] mask (hf_attention.py). On a
 PEFT model, `enable` also drops LoRA's input casts that autocast undoes (`_AdapterInputCasts`).
+`plan(model, batch, budget)` / `measure(model, batch)` run fastckpt's planner on a step built from a batch.
 """
 
 from __future__ import annotations
