@@ -298,16 +298,17 @@ def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
     (llama-lora), and the fitted bytes per token per layer."""
     lengths, depths = SCALING[size]
     configs = {PLAIN: lambda m: None, HF_GC: _hf_gc, BEST: _fastckpt("recompute:int8+int8", True, padded=True)}
-    points, peaks, longest = [], {}, {}  # peaks: MiB by (layers, tokens, config); the axes share a size
+    points, peaks, longest = [], {}, None  # peaks: MiB by (layers, tokens, config); the axes share a size
     for axis, values in (("tokens", lengths), ("layers", depths)):
         for value in values:
             layers = value if axis == "layers" else SCALING_DEPTH[size]
             tokens = value if axis == "tokens" else SCALING_TOKENS[size]
             if (layers, tokens, PLAIN) not in peaks:
                 is_longest = axis == "tokens" and value == lengths[-1]
-                measured, extra = _peaks(configs, layers, tokens, device, timed=is_longest)
+                measured, at_length = _peaks(configs, layers, tokens, device, timed=is_longest)
                 peaks.update(measured)
-                longest.update(extra)
+                if at_length is not None:
+                    longest = at_length
             for config in configs:
                 points.append({"axis": axis, "config": config, "layers": layers, "tokens": tokens,
                                "peak_MiB": peaks[layers, tokens, config]})  # fmt: skip
@@ -326,26 +327,34 @@ def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
         cells = "".join(f"{p['peak_MiB']:>9.1f}" for p in by_tokens)
         cells += "".join(f"{p['peak_MiB']:>8.1f}" for p in by_layers)
         print(f"{config:<60}{cells}{per_token_layer:>15.0f}{per_token:>10.0f}")
-    if HF_GC in longest and BEST in longest:
+    if longest is not None:
         layers, tokens = SCALING_DEPTH[size], lengths[-1]
-        gc_s, best_s = longest[HF_GC], longest[BEST]
+        gc_s, best_s = longest.gc_seconds, longest.best_seconds
         ratio = peaks[layers, tokens, BEST] / peaks[layers, tokens, HF_GC]
-        error = longest[f"{BEST} error"] / longest[f"{PLAIN} error"]
         print(f"at {tokens} tokens, {layers} layers: {BEST} peak {ratio:.3f}x HF GC's, "
               f"time {best_s * 1e3:.0f} ms = {best_s / gc_s:.3f}x HF GC's {gc_s * 1e3:.0f} ms, "
-              f"gradient error {error:.2f}x bf16's own")  # fmt: skip
+              f"gradient error {longest.error_x_bf16:.2f}x bf16's own")  # fmt: skip
     if out:
         write_csv(points, out, "llm_scaling.csv")
         _plot(points, os.path.join(out, "llm_scaling.png"))
     return fits
 
 
+@dataclass(frozen=True)
+class Longest:
+    """The scaling figure's longest length: HF GC's and BEST's median seconds per step (LONG_ROUNDS
+    interleaved rounds) and BEST's gradient error against fp32 divided by plain bf16's."""
+
+    gc_seconds: float
+    best_seconds: float
+    error_x_bf16: float
+
+
 def _peaks(
     configs: dict, layers: int, tokens: int, device: torch.device, timed: bool = False
-) -> tuple[dict[tuple, float], dict[str, float]]:
+) -> tuple[dict[tuple, float], Longest | None]:
     """Whole-step peak MiB of each configuration on one size (by (layers, tokens, config)), after a trial
-    step; with `timed`, also the median seconds per step of HF GC and BEST (LONG_ROUNDS interleaved rounds) and
-    the gradient errors of plain and BEST against fp32 (under '<config> error')."""
+    step; with `timed`, also the Longest measurements there."""
     base, batch = build(True, layers, tokens, device)
     peaks, steps, models = {}, {}, {}
     for config, prepare in configs.items():
@@ -360,17 +369,18 @@ def _peaks(
         peaks[layers, tokens, config] = peak_bytes(step, device) / 2**20
         steps[config] = step
     if not timed:
-        return peaks, {}
+        return peaks, None
     times = median_times({c: steps[c] for c in (HF_GC, BEST)}, device, 0, LONG_ROUNDS)[0]
     reference = copy.deepcopy(base)
     _step(reference, batch, hf_loss, autocast=False)
     expected = _gradients(reference)
     del reference
+    errors = {}
     for config in (PLAIN, BEST):  # the gradient error there, against fp32 (the error columns' measure)
         _step(models[config], batch, hf_loss)
-        times[f"{config} error"] = relative_error(_gradients(models[config]), expected)
+        errors[config] = relative_error(_gradients(models[config]), expected)
         models[config].zero_grad(set_to_none=True)
-    return peaks, times
+    return peaks, Longest(times[HF_GC], times[BEST], errors[BEST] / errors[PLAIN])
 
 
 def _slope(xs: list[float], ys: list[float]) -> float:

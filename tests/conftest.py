@@ -10,3 +10,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_thread():
+    """The test on one intra-op thread (a fixed summation order for tight fp32 comparisons), restored after;
+    a module takes it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    from tests.helpers import num_threads  # here: collecting the suite must not import fastckpt
+
+    with num_threads(1):
+        yield

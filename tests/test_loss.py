@@ -15,12 +15,7 @@ from fastckpt.memory import peak_bytes
 FP32 = {"rtol": 1e-5, "atol": 1e-6}  # fp32: only the summation order differs
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def reference(

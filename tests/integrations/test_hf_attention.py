@@ -21,12 +21,7 @@ LENGTHS = (SEQ, 7, 11)  # real tokens per row: one row without padding
 FP32 = {"rtol": 1e-5, "atol": 1e-6}  # the kernels' summation order, through two layers
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _decoder(config_class: str, **overrides: Any):

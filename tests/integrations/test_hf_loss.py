@@ -24,12 +24,7 @@ BATCH, SEQ, SHORT = 2, 12, 7
 FP32 = {"rtol": 1e-5, "atol": 1e-6}  # fp32: the head's summation order, carried through two layers
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _decoder(config_class: str, **overrides: Any):
