@@ -471,9 +471,15 @@ def test_check_fn_chooses_the_segments():
     [
         ({"model": "net"}, TypeError, "`model` must be a torch.nn.Module"),
         ({"step": 3}, TypeError, "`step` must be a callable"),
-        ({"budget": "50"}, ValueError, r"budget '50' is not a percentage such as '50%'"),
-        ({"budget": "abc%"}, ValueError, "is not a percentage"),
-        ({"budget": "-5%"}, ValueError, "is not a percentage"),
+        (
+            {"budget": "50"},
+            ValueError,
+            r"budget '50' is neither a percentage such as '50%'.* nor a device total such as '20GiB'",
+        ),
+        ({"budget": "abc%"}, ValueError, "is neither a percentage"),
+        ({"budget": "-5%"}, ValueError, "is neither a percentage"),
+        ({"budget": "20 gigs"}, ValueError, r"is neither a percentage.*units: B, KB, MB"),
+        ({"budget": "0GiB"}, ValueError, "is neither a percentage"),
         ({"budget": -1}, ValueError, "must be a positive number of bytes"),
         ({"budget": 1.5}, TypeError, "must be bytes"),
         ({"budget": True}, TypeError, "must be bytes"),

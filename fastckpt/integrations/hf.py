@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import logging
 import types
 import warnings
 import weakref
@@ -34,6 +35,8 @@ from fastckpt.integrations import hf_attention
 from fastckpt.loss import linear_cross_entropy
 from fastckpt.policies import Policy
 
+_logger = logging.getLogger("fastckpt")
+
 # The keywords fastckpt.checkpoint takes besides the function and its arguments.
 _CHECKPOINT_OPTIONS = frozenset(
     name for name, p in inspect.signature(checkpoint).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY
@@ -46,6 +49,11 @@ class _Settings:
 
     policy: Policy
     checkpoint_kwargs: dict[str, Any]
+    budget: int | str | None = None  # plan on the first training batch for this budget (_FirstBatchPlan)
+    plan_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # The model enable() was given when it wraps the PreTrainedModel (a PEFT model: its forward is the entry
+    # point). Held, not weakly referenced, so that copy.deepcopy maps it to the copy's.
+    outer: Any = None
 
 
 def _pretrained_model(model: Any) -> torch.nn.Module:
@@ -71,9 +79,13 @@ def _pretrained_model(model: Any) -> torch.nn.Module:
     return model
 
 
+# Keywords of HF's checkpointing kwargs (Trainer's gradient_checkpointing_kwargs) that ask for a plan instead.
+_PLAN_KEYWORDS = ("budget", "plan_options")
+
+
 def _checkpoint_function(settings: _Settings, hf_kwargs: dict[str, Any] | None, offload: bool) -> functools.partial:
     """fastckpt.checkpoint bound to the settings; keywords HF passes along (e.g. from Trainer) take precedence."""
-    kwargs = {**settings.checkpoint_kwargs, **(hf_kwargs or {})}
+    kwargs = {k: v for k, v in {**settings.checkpoint_kwargs, **(hf_kwargs or {})}.items() if k not in _PLAN_KEYWORDS}
     policy = Policy.parse(kwargs.pop("policy", settings.policy))
     if offload and not policy.offload:  # HF's `offload=True`: what the layers keep goes to host memory
         policy = dataclasses.replace(policy, offload=True)
@@ -98,11 +110,25 @@ def _enable_through_fastckpt(
 ) -> None:
     """Stands in for the model's own `activation_checkpointing_enable`: HF selects the layers, fastckpt
     checkpoints them."""
-    function = _checkpoint_function(model._fastckpt_settings, activation_checkpointing_kwargs, offload)
+    settings = model._fastckpt_settings
+    function = _checkpoint_function(settings, activation_checkpointing_kwargs, offload)
+    hf_kwargs = activation_checkpointing_kwargs or {}
+    budget = hf_kwargs.get("budget", settings.budget)
+    plan_options = {**settings.plan_options, **(hf_kwargs.get("plan_options") or {})}
+    if budget is not None:
+        if "budget" in hf_kwargs and "policy" in hf_kwargs:
+            raise ValueError(
+                "fastckpt.integrations.hf: gradient_checkpointing_kwargs has both `budget` and `policy`; a budget "
+                "plans a policy per layer, pass one of them"
+            )
+        _FirstBatchPlan.check(budget, plan_options)
+    _FirstBatchPlan.remove(model)
     type(model).activation_checkpointing_enable(model, every_n_layers=every_n_layers)
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = function
+    if budget is not None:
+        _FirstBatchPlan.install(model, model if settings.outer is None else settings.outer, budget, plan_options)
 
 
 def enable(
@@ -112,6 +138,8 @@ def enable(
     every_n_layers: int = 1,
     loss_head: bool = False,
     padded_attention: bool = False,
+    budget: int | str | None = None,
+    plan_options: dict[str, Any] | None = None,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Turn on gradient checkpointing of a transformers model through fastckpt; returns `model`.
@@ -134,6 +162,15 @@ def enable(
     tokens] float mask per layer, and the kernel skips the masked upper triangle (about half the attention's
     time). The loss and gradients are the same up to the kernels' summation order; any other mask (left
     padding, sliding windows, packed sequences), dropout or a KV cache runs HF's sdpa unchanged.
+
+    `budget` (bytes of the step, "N%" of stock checkpointing's peak or a device total such as "20GiB"; instead
+    of `policy`) plans a policy per layer on the first training batch: the first forward in training mode
+    with grad enabled and `labels` runs `plan(model, batch, budget, **plan_options)` on that batch first
+    (autocast as the call's), applies the plan (`planned(model)` returns it) and then runs as usual; the
+    gradients it found and the RNG state are restored, so that step computes what it would have. Trainer:
+    `gradient_checkpointing_kwargs={"budget": "40%"}` after `enable(model)`. `plan_options` go to `measure`
+    (default max_error=PLAN_MAX_ERROR: the forms whose gradients differ from the plain step's by more are
+    left out).
     """
     pretrained = _pretrained_model(model)
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
@@ -146,7 +183,17 @@ def enable(
         raise TypeError(
             f"fastckpt.integrations.hf.enable: `padded_attention` must be True or False, got {padded_attention!r}"
         )
-    settings = _Settings(Policy.parse(policy), dict(checkpoint_kwargs))
+    if budget is not None:
+        if Policy.parse(policy) != Policy.parse("recompute"):
+            raise ValueError(
+                f"fastckpt.integrations.hf.enable: pass `budget` or `policy`, not both (got policy={policy!r}): a "
+                "budget plans a policy per layer"
+            )
+        _FirstBatchPlan.check(budget, plan_options or {})
+    elif plan_options is not None:
+        raise ValueError("fastckpt.integrations.hf.enable: `plan_options` without `budget`; pass a budget to plan")
+    outer = None if model is pretrained else model
+    settings = _Settings(Policy.parse(policy), dict(checkpoint_kwargs), budget, dict(plan_options or {}), outer)
     _checkpoint_function(settings, None, offload=False)  # reject bad keywords before changing the model
     if loss_head:
         _LossHead.check(pretrained)  # likewise
@@ -174,6 +221,7 @@ def disable(model: Any) -> Any:
     """Turn gradient checkpointing and the loss head off, give the model back its own enable method and
     forward; returns `model`."""
     pretrained = _pretrained_model(model)
+    _FirstBatchPlan.remove(pretrained)
     _LossHead.remove(pretrained)
     hf_attention.remove(pretrained)
     _AdapterInputCasts.remove(pretrained)
@@ -194,7 +242,7 @@ def plan(
 ) -> Any:
     """`fastckpt.plan` for a transformers model, the step built from a sample batch (see `measure`); returns
     the Plan, verified unless `verify=False` (not applied: `plan.apply()` wraps the layers)."""
-    from fastckpt.planner.segments import check_budget
+    from fastckpt.planner.budgets import check_budget
 
     check_budget(budget)
     if not isinstance(verify, bool):
@@ -244,17 +292,133 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
 
 
 def is_enabled(model: Any) -> bool:
-    """True when some layer of `model` is checkpointed through fastckpt."""
-    return any(
+    """True when some layer of `model` is checkpointed through fastckpt (by enable, or by a plan applied)."""
+    pretrained = _pretrained_model(model)
+    return planned(model) is not None or any(
         getattr(module, "gradient_checkpointing", False)
         and getattr(getattr(module, "_gradient_checkpointing_func", None), "func", None) is checkpoint
-        for module in _pretrained_model(model).modules()
+        for module in pretrained.modules()
     )
+
+
+def planned(model: Any) -> Any:
+    """The plan `enable(model, budget=...)` applied on the first training batch (a fastckpt.planner.Plan), or None
+    before that batch or without a budget."""
+    return _pretrained_model(model).__dict__.get(_FirstBatchPlan.PLAN)
 
 
 def loss_head_enabled(model: Any) -> bool:
     """True when `model`'s training loss goes through fastckpt.linear_cross_entropy (`enable(loss_head=True)`)."""
     return bool(_pretrained_model(model).__dict__.get(_LossHead.ON, False))
+
+
+# enable(budget=)'s default max_error: on bf16 LLM fine-tunes the int8 forms' gradients differ from the plain
+# step's by 2.4-6.0e-2 (largest relative L2 over the parameters), the int4 forms' by 0.6-0.7 (benchmarks/llm.py).
+PLAN_MAX_ERROR = 8e-2
+_PLAN_OPTIONS = ("candidates", "repeats", "max_error", "progress", "optimizer")  # what plan_options may hold
+
+
+class _FirstBatchPlan:
+    """`enable(model, budget=...)`: a forward pre-hook on the model enable() was given (a PEFT model's own
+    forward calls the base model's `forward` directly, past its hooks). At the first forward in training mode
+    with grad enabled it plans on that call's arguments and applies the plan; at that and every later training
+    forward it passes `use_cache=False`, as HF's checkpointing does (a layer recomputed in the backward would
+    write its keys and values to the cache a second time)."""
+
+    PLAN = "_fastckpt_plan"  # the applied Plan, on the PreTrainedModel
+    HOOK = "_fastckpt_plan_hook"  # the hook's handle, likewise
+    PLANNING = "_fastckpt_planning"  # set while the planning steps run
+
+    @staticmethod
+    def check(budget: Any, plan_options: Any) -> None:
+        from fastckpt.planner.budgets import check_budget
+
+        check_budget(budget)
+        if not isinstance(plan_options, dict):
+            raise TypeError(
+                f"fastckpt.integrations.hf: `plan_options` must be a dict of measure() keywords, got "
+                f"{type(plan_options).__name__}"
+            )
+        unknown = sorted(set(plan_options) - set(_PLAN_OPTIONS))
+        if unknown:
+            raise TypeError(f"fastckpt.integrations.hf: unknown plan_options {unknown}; known: {list(_PLAN_OPTIONS)}")
+
+    @classmethod
+    def install(cls, pretrained: torch.nn.Module, outer: torch.nn.Module, budget: Any, options: dict) -> None:
+        # The hook closes over no model: a deep copy of the model plans itself.
+        hook = functools.partial(cls._training_forward, budget, {"max_error": PLAN_MAX_ERROR, **options})
+        pretrained.__dict__[cls.HOOK] = outer.register_forward_pre_hook(hook, with_kwargs=True)
+
+    @classmethod
+    def remove(cls, pretrained: torch.nn.Module) -> None:
+        """Remove the hook and take off an applied plan."""
+        handle = pretrained.__dict__.pop(cls.HOOK, None)
+        if handle is not None:
+            handle.remove()
+        plan = pretrained.__dict__.pop(cls.PLAN, None)
+        if plan is not None and plan.applied:
+            plan.remove()
+
+    @classmethod
+    def _training_forward(
+        cls, budget: Any, options: dict, module: torch.nn.Module, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict] | None:
+        if not (module.training and torch.is_grad_enabled()):
+            return None
+        pretrained = _pretrained_model(module)
+        if pretrained.__dict__.get(cls.PLANNING):
+            return None  # one of the planning steps (hf.measure passes use_cache=False itself)
+        if pretrained.__dict__.get(cls.PLAN) is None:
+            cls._plan(budget, options, module, pretrained, _forward_arguments(module, args, kwargs))
+        if "use_cache" in inspect.signature(type(pretrained).forward).parameters:
+            return args, {**kwargs, "use_cache": False}
+        return None
+
+    @classmethod
+    def _plan(cls, budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module, batch: dict):
+        if batch.get("labels") is None:
+            raise ValueError(
+                "fastckpt.integrations.hf.enable(budget=...): the first training forward has no `labels`, and the "
+                "planner's step is the model's own loss; pass labels, or plan yourself with "
+                "fastckpt.integrations.hf.plan / fastckpt.plan and a step of your own"
+            )
+        device = next(pretrained.parameters()).device
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        # The step after planning computes what it would have: the gradients it found, and the RNG state.
+        gradients = [(p, p.grad) for p in module.parameters()]
+        for p, _ in gradients:
+            p.grad = None
+        pretrained.__dict__[cls.PLANNING] = True
+        try:
+            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+                plan = measure(module, batch, autocast=autocast, **options).plan(budget)
+        finally:
+            del pretrained.__dict__[cls.PLANNING]
+            for p, grad in gradients:
+                p.grad = grad
+        plan.apply()
+        pretrained.__dict__[cls.PLAN] = plan
+        _logger.info("fastckpt.integrations.hf: planned on the first batch for budget %r:\n%s", budget, plan.table())
+
+
+def _forward_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A forward call's arguments by name (what measure's batch is)."""
+    signature = inspect.signature(module.forward)
+    bound = signature.bind_partial(*args, **kwargs)
+    arguments: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise ValueError(
+                    "fastckpt.integrations.hf.enable(budget=...): the first training forward has positional "
+                    f"arguments beyond {type(module).__name__}.forward's named ones; pass them by keyword"
+                )
+        else:
+            arguments[name] = value
+    return arguments
 
 
 class _AdapterInputCasts:

@@ -11,11 +11,12 @@ from typing import Any
 from torch import nn
 
 from fastckpt.planner import model as peak_model
+from fastckpt.planner.budgets import Resident, check_budget, format_bytes, is_total, step_bytes
 from fastckpt.planner.candidates import REFERENCE, Candidate, parse_candidate, parse_candidates
 from fastckpt.planner.checks import samples_mixed
 from fastckpt.planner.measurement import gradient_errors, measure_candidates
 from fastckpt.planner.model import CandidateMeasurement
-from fastckpt.planner.segments import Segment, budget_bytes, check_arguments, check_budget, device_of, find_segments
+from fastckpt.planner.segments import Segment, check_arguments, device_of, find_segments
 from fastckpt.policies import Policy
 
 VERIFY_ATTEMPTS = 4  # plans a verifying plan() runs before it gives up on a budget
@@ -34,9 +35,11 @@ class Measurements:
         failed: dict[str, str] | None = None,
         parsed: Iterable[Candidate] = (),
         step: Callable[[], Any] | None = None,
+        resident: Resident | None = None,
     ) -> None:
         self.model = model
         self.step = step  # the measured step: plans are verified by running it (None: they cannot be)
+        self.resident = resident  # what was live before the step (device-total budgets); None: not known
         self.segments = segments
         self.by_policy = by_policy
         self.max_error = max_error
@@ -59,9 +62,9 @@ class Measurements:
         return self.by_policy[REFERENCE].step_seconds
 
     def budget_bytes(self, budget: int | str) -> int:
-        """`budget` in bytes ("N%" of the reference peak)."""
-        check_budget(budget)
-        return budget_bytes(budget, self.reference_peak)
+        """`budget` in bytes of the step ("N%" of the reference peak, a device total less what is live before
+        the step: fastckpt.planner.budgets)."""
+        return step_bytes(budget, self.reference_peak, self.resident)
 
     def plan(self, budget: int | str, *, verify: bool | None = None) -> Plan:
         """The fastest assignment predicted to fit `budget`; ValueError naming the smallest feasible budget if none.
@@ -73,6 +76,7 @@ class Measurements:
         The returned plan's `measured_peak` is the verified peak (None without verification).
         """
         limit = self.budget_bytes(budget)
+        total = is_total(budget)
         verify = self.step is not None if verify is None else verify
         if verify and self.step is None:
             raise ValueError(
@@ -82,11 +86,11 @@ class Measurements:
         target, verified = limit, []
         for _ in range(VERIFY_ATTEMPTS if verify else 1):
             try:
-                plan = self._solve(target, limit)
+                plan = self._solve(target, limit, total)
             except ValueError as infeasible:
                 if not verified:
                     raise
-                raise self._over_budget(limit, verified) from infeasible
+                raise self._over_budget(limit, verified, total) from infeasible
             if not verify:
                 return plan
             plan.measured_peak = self._measure(plan)
@@ -95,9 +99,9 @@ class Measurements:
             verified.append(plan)
             # What the model missed on this plan, assumed again on the next: solve for that much less.
             target = min(target - 1, limit - (plan.measured_peak - plan.predicted_peak))
-        raise self._over_budget(limit, verified)
+        raise self._over_budget(limit, verified, total)
 
-    def _solve(self, target: int, limit: int) -> Plan:
+    def _solve(self, target: int, limit: int, total: bool = False) -> Plan:
         """The fastest assignment predicted to fit `target` bytes, as a Plan for the budget `limit`."""
         excluded = (
             f" ({self.excluded} left out: their gradient error exceeds max_error={self.max_error:g})"
@@ -119,7 +123,7 @@ class Measurements:
                 f"fastckpt.plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments "
                 f"fits a budget of {target} bytes ({target / 2**20:.2f} MiB); the smallest feasible budget is "
                 f"{smallest} bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of "
-                "stock checkpointing's peak)"
+                f"stock checkpointing's peak){self._as_total(smallest, total)}"
             )
         return Plan(
             measurements=self,
@@ -139,7 +143,17 @@ class Measurements:
         finally:
             plan.remove()
 
-    def _over_budget(self, limit: int, verified: list[Plan]) -> ValueError:
+    def _as_total(self, step_peak: int, total: bool) -> str:
+        """For a device-total budget's error: the smallest total, and what is live before the step."""
+        if not total:
+            return ""
+        before = self.resident.before_step
+        return (
+            f"; as a device total: {format_bytes(step_peak + before)}, of which {format_bytes(before)} is live before "
+            f"the step and no plan removes it ({self.resident.describe()})"
+        )
+
+    def _over_budget(self, limit: int, verified: list[Plan], total: bool = False) -> ValueError:
         smallest = min(p.measured_peak for p in verified)
         tried = "; ".join(
             f"{p.predicted_peak / 2**20:.2f} predicted, {p.measured_peak / 2**20:.2f} measured" for p in verified
@@ -147,8 +161,9 @@ class Measurements:
         return ValueError(
             f"fastckpt.plan: no plan verified within the budget of {limit} bytes ({limit / 2**20:.2f} MiB): the "
             f"plans run measured over it (MiB: {tried}); the smallest verified budget is {smallest} bytes "
-            f"({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock checkpointing's peak); "
-            "smallest_plan() gives the assignment of the smallest predicted peak with its measured budget"
+            f"({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of stock checkpointing's peak)"
+            f"{self._as_total(smallest, total)}; smallest_plan() gives the assignment of the smallest predicted peak "
+            "with its measured budget"
         )
 
     def smallest_plan(self, *, verify: bool | None = None) -> Plan:
@@ -304,11 +319,14 @@ def plan(
     max_error: float | None = None,
     verify: bool = True,
     progress: bool = True,
+    optimizer: Any = None,
 ) -> Plan:
     """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
 
     `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate above
-    what is live before it, or "N%" of stock checkpointing's peak; the segments are the submodules `check_fn`
+    what is live before it, "N%" of stock checkpointing's peak, or the device's total ("20GiB", "1.5GB": what
+    is live before the step, i.e. parameters, buffers, gradients, the state of `optimizer` when given, on CUDA
+    everything allocated, plus the step's peak); the segments are the submodules `check_fn`
     selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical blocks); `candidates`
     are policy strings, 'none', 'selective:<spec>' (fastckpt.hybrid.selective: the outputs of matmuls and
     attention kept through <spec>'s codec, the rest recomputed, the inputs stored as <spec> says:
@@ -336,7 +354,9 @@ def plan(
     check_budget(budget)
     if not isinstance(verify, bool):
         raise TypeError(f"fastckpt.plan: `verify` must be True or False, got {verify!r}")
-    measured = measure(model, step, check_fn, candidates, repeats=repeats, max_error=max_error, progress=progress)
+    measured = measure(
+        model, step, check_fn, candidates, repeats=repeats, max_error=max_error, progress=progress, optimizer=optimizer
+    )
     return measured.plan(budget, verify=verify)
 
 
@@ -349,15 +369,19 @@ def measure(
     repeats: int = 2,
     max_error: float | None = None,
     progress: bool = True,
+    optimizer: Any = None,
 ) -> Measurements:
     """Measure every candidate on the segments (what `plan` does before solving); plan any budget from it.
-    `progress`: a progress bar of the step() runs with the remaining time (tqdm, on a terminal only)."""
+    `progress`: a progress bar of the step() runs with the remaining time (tqdm, on a terminal only).
+    `optimizer`: its state counts towards device-total budgets (before its first step, Adam-like optimizers'
+    and SGD momentum's state is counted as what that step will allocate; others' only once allocated)."""
     check_arguments(model, step, check_fn, repeats, max_error)
     if not isinstance(progress, bool):
         raise TypeError(f"fastckpt.plan: `progress` must be True or False, got {progress!r}")
     parsed = parse_candidates(candidates)
     segments = find_segments(model, check_fn)
     device = device_of(model)
+    resident = Resident.measure(model, device, optimizer)  # before any step of ours
     names = [candidate.name for candidate in parsed]
     measured = parsed if REFERENCE in names else [*parsed, parse_candidate(REFERENCE)]
     bar = _progress_bar(measured, repeats, max_error, progress)
@@ -385,7 +409,9 @@ def measure(
                 by_policy[name].grad_error = error
     finally:
         bar.close()
-    return Measurements(model, segments, names, by_policy, max_error, failed, parsed=measured, step=user_step)
+    return Measurements(
+        model, segments, names, by_policy, max_error, failed, parsed=measured, step=user_step, resident=resident
+    )
 
 
 def _progress_bar(candidates: list[Candidate], repeats: int, max_error: float | None, enabled: bool) -> Any:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -102,35 +101,3 @@ def check_arguments(model: Any, step: Any, check_fn: Any, repeats: Any, max_erro
         raise ValueError(
             f"fastckpt.plan: `max_error` must be a number >= 0 (a relative L2 error) or None, got {max_error!r}"
         )
-
-
-def check_budget(budget: int | str) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, str)):
-        raise TypeError(
-            f"fastckpt.plan: `budget` must be bytes (an int) or a string such as '50%', got {type(budget).__name__}"
-        )
-    if isinstance(budget, int) and budget <= 0:
-        raise ValueError(f"fastckpt.plan: `budget` must be a positive number of bytes, got {budget}")
-    if isinstance(budget, str):
-        _percent(budget)
-
-
-def _percent(budget: str) -> float:
-    text = budget.strip()
-    try:
-        value = float(text[:-1]) if text.endswith("%") else float("nan")
-    except ValueError:
-        value = float("nan")
-    if not (value > 0 and math.isfinite(value)):
-        raise ValueError(
-            f"fastckpt.plan: budget {budget!r} is not a percentage such as '50%' (of stock checkpointing's peak) or "
-            "bytes"
-        )
-    return value
-
-
-def budget_bytes(budget: int | str, reference_peak: int) -> int:
-    """A checked budget in bytes: "N%" is N percent of `reference_peak`."""
-    if isinstance(budget, int):
-        return budget
-    return max(1, int(reference_peak * _percent(budget) / 100))

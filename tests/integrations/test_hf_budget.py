@@ -1,0 +1,127 @@
+"""hf.enable(model, budget=...) and Trainer's gradient_checkpointing_kwargs={"budget": ...}: a plan made on the
+first training batch, applied, and the step after it the one it would have been."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import fastckpt  # noqa: E402
+from fastckpt.integrations import hf  # noqa: E402
+from tests.integrations.test_hf import LAYERS, batch, tiny_llama  # noqa: E402
+
+# Two candidates, one repeat, no progress bar: a plan in a few seconds. With "recompute" alone the plan is
+# known (every layer recomputed), so the planned step can be compared with enable(policy="recompute").
+FAST = {"candidates": ["recompute"], "repeats": 1, "progress": False, "max_error": None}
+
+
+def sample() -> dict[str, torch.Tensor]:
+    ids = batch()
+    mask = torch.ones_like(ids)
+    mask[1, 16:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def step(model: torch.nn.Module, inputs: dict) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(5)  # attention dropout: the planning steps must not move the step's random stream
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def test_the_first_training_batch_plans_and_the_step_is_unchanged():
+    torch.manual_seed(0)
+    reference = hf.enable(tiny_llama(), policy="recompute").train()
+    model = hf.enable(copy.deepcopy(reference), budget="100%", plan_options=FAST).train()
+    for m in (model, reference):  # gradients from an earlier micro-batch are accumulated into, not lost
+        for p in m.parameters():
+            p.grad = torch.full_like(p, 0.5)
+    with torch.no_grad():
+        model(**sample())  # not training: no plan
+    model.eval()
+    model(**sample())  # not in training mode: no plan either
+    model.train()
+    assert hf.planned(model) is None and model.is_activation_checkpointing
+    loss, grads = step(model, sample())
+    plan = hf.planned(model)
+    assert plan is not None and plan.applied and plan.policies == ["recompute"] * LAYERS
+    assert plan.measured_peak <= plan.budget
+    assert all(isinstance(layer, fastckpt.CheckpointWrapper) for layer in model.model.layers)
+    assert hf.is_enabled(model) and not model.is_activation_checkpointing  # the plan checkpoints the layers
+    expected_loss, expected_grads = step(reference, sample())
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    step(model, sample())  # later steps run the applied plan, without planning again
+    assert hf.planned(model) is plan
+    hf.disable(model)
+    assert hf.planned(model) is None and not any(
+        isinstance(layer, fastckpt.CheckpointWrapper) for layer in model.model.layers
+    )
+
+
+def test_trainer_plans_from_its_checkpointing_kwargs(tmp_path):
+    torch.manual_seed(0)
+    model = hf.enable(tiny_llama())
+    data = [sample() for _ in range(2)]
+    data = [{k: v[i] for k, v in d.items()} for d in data for i in range(2)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=2,
+        per_device_train_batch_size=2,
+        activation_checkpointing=True,
+        activation_checkpointing_kwargs={"budget": "100%", "plan_options": FAST},
+        use_cpu=True,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+    )
+    result = transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    plan = hf.planned(model)
+    assert plan is not None and plan.applied and len(plan.policies) == LAYERS
+    assert torch.isfinite(torch.tensor(result.training_loss))
+
+
+def test_a_peft_model_plans_through_its_own_forward():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = hf.enable(peft.get_peft_model(tiny_llama(), config), budget="100%", plan_options=FAST).train()
+    loss, _ = step_grads_of_adapters(model)
+    assert hf.planned(model) is not None and torch.isfinite(loss)
+
+
+def step_grads_of_adapters(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**sample()).loss
+    loss.backward()
+    return loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]
+
+
+def test_a_deep_copy_plans_itself():
+    torch.manual_seed(0)
+    original = hf.enable(tiny_llama(), budget="100%", plan_options=FAST).train()
+    clone = copy.deepcopy(original)
+    step(clone, sample())
+    assert hf.planned(clone) is not None and hf.planned(original) is None
+
+
+def test_budget_arguments_are_named():
+    torch.manual_seed(0)
+    with pytest.raises(ValueError, match="pass `budget` or `policy`, not both"):
+        hf.enable(tiny_llama(), policy="int8", budget="50%")
+    with pytest.raises(ValueError, match="is neither a percentage"):
+        hf.enable(tiny_llama(), budget="half")
+    with pytest.raises(TypeError, match=r"unknown plan_options \['repeat'\]"):
+        hf.enable(tiny_llama(), budget="50%", plan_options={"repeat": 1})
+    with pytest.raises(ValueError, match="`plan_options` without `budget`"):
+        hf.enable(tiny_llama(), plan_options=FAST)
+    model = hf.enable(tiny_llama(), budget="100%", plan_options=FAST).train()
+    with pytest.raises(ValueError, match="the first training forward has no `labels`"):
+        model(input_ids=batch())
+    with pytest.raises(ValueError, match="both `budget` and `policy`"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"budget": "50%", "policy": "int8"})
