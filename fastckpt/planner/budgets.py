@@ -106,14 +106,14 @@ class Resident:
             for p in parameters
             if p.requires_grad and p.grad is None and p.device == device
         )
-        state = 0
+        state = pending_state = 0
         if optimizer is not None:
             state = nbytes(t for s in optimizer.state.values() for t in s.values())
-            state += _pending_state(optimizer, device)
+            pending_state = _pending_state(optimizer, device)
         other = 0
-        if device.type == "cuda":
+        if device.type == "cuda":  # what the allocator holds besides the tensors counted (allocated ones only)
             other = max(0, torch.cuda.memory_allocated(device) - weights - gradients - state)
-        return cls(weights, gradients + pending, pending, state, other)
+        return cls(weights, gradients + pending, pending, state + pending_state, other)
 
 
 def _pending_state(optimizer: Any, device: torch.device) -> int:
