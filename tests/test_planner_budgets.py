@@ -85,3 +85,15 @@ def test_fastckpt_plan_takes_a_total_and_the_optimizer():
     resident = plan.measurements.resident
     assert (resident.parameters, resident.optimizer, resident.before_step) == (weights, weights, 2 * weights)
     assert plan.budget == mib * 2**20 - 2 * weights
+
+
+@pytest.mark.cuda
+def test_resident_on_cuda_counts_other_allocations():
+    model, _ = make(layers=2)
+    model.cuda()
+    device = torch.device("cuda")
+    base = Resident.measure(model, device, torch.optim.Adam(model.parameters()))
+    extra = torch.empty(2**20, dtype=torch.uint8, device=device)  # 1 MiB nobody else counts
+    with_extra = Resident.measure(model, device, torch.optim.Adam(model.parameters()))
+    assert with_extra.other - base.other == extra.numel()
+    assert with_extra.optimizer == 2 * with_extra.parameters  # to come, not in the allocator's count
