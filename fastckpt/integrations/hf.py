@@ -276,8 +276,7 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
         raise TypeError(f"fastckpt.integrations.hf.plan: `autocast` must be a float dtype or None, got {autocast!r}")
     device = next(pretrained.parameters()).device
     # No KV cache, as in training (HF turns it off under its checkpointing, which the plan replaces).
-    uses_cache = "use_cache" in inspect.signature(type(pretrained).forward).parameters
-    inputs = {"use_cache": False, **batch} if uses_cache else dict(batch)
+    inputs = {"use_cache": False, **batch} if _takes_use_cache(type(pretrained)) else dict(batch)
 
     def step() -> None:
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
@@ -291,10 +290,16 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
     return planner.measure(model, step, check_fn, **measure_kwargs)
 
 
+@functools.cache
+def _takes_use_cache(model_class: type) -> bool:
+    """Whether the class's forward has a `use_cache` argument (read once per class: the hook asks every step)."""
+    return "use_cache" in inspect.signature(model_class.forward).parameters
+
+
 def is_enabled(model: Any) -> bool:
     """True when some layer of `model` is checkpointed through fastckpt (by enable, or by a plan applied)."""
     pretrained = _pretrained_model(model)
-    return planned(model) is not None or any(
+    return pretrained.__dict__.get(_FirstBatchPlan.PLAN) is not None or any(
         getattr(module, "gradient_checkpointing", False)
         and getattr(getattr(module, "_gradient_checkpointing_func", None), "func", None) is checkpoint
         for module in pretrained.modules()
@@ -370,7 +375,7 @@ class _FirstBatchPlan:
             return None  # one of the planning steps (hf.measure passes use_cache=False itself)
         if pretrained.__dict__.get(cls.PLAN) is None:
             cls._plan(budget, options, module, pretrained, _forward_arguments(module, args, kwargs))
-        if "use_cache" in inspect.signature(type(pretrained).forward).parameters:
+        if _takes_use_cache(type(pretrained)):
             return args, {**kwargs, "use_cache": False}
         return None
 
