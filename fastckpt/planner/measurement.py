@@ -25,10 +25,12 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from fastckpt.memory import MemoryTrace
@@ -36,7 +38,8 @@ from fastckpt.planner.candidates import BATCH_PREFIX, NONE, REFERENCE, Candidate
 from fastckpt.planner.checks import NonFinite, finite, max_relative_error
 from fastckpt.planner.model import CandidateMeasurement, SegmentCost
 from fastckpt.planner.segments import Segment, signature
-from fastckpt.storage.accounting import track
+from fastckpt.storage.accounting import nbytes, track
+from fastckpt.storage.packer import observe_shared
 
 
 class _Recorder:
@@ -47,11 +50,13 @@ class _Recorder:
         self.trace = trace
         self.keys: list[str] = []
         self.times: list[Any] = []
+        self.sharing = _Sharing() if trace is not None else None
 
     def mark(self, key: str) -> None:
         self.keys.append(key)
         if self.trace is not None:
             self.trace.mark(key)
+            self.sharing.check(len(self.keys) - 1)
         elif self.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)  # no synchronization inside the step
             event.record()
@@ -65,6 +70,90 @@ class _Recorder:
             torch.cuda.synchronize(self.device)
             return [self.times[0].elapsed_time(e) / 1e3 for e in self.times]
         return [t - self.times[0] for t in self.times]
+
+
+@dataclass
+class _Input:
+    """A tensor the segments take that no segment made (the embedding output, the position embeddings...)."""
+
+    name: tuple[int, int]  # (first segment taking it, position among that call's tensors): the same every run
+    nbytes: int
+    storage: StorageWeakRef
+    receivers: list[int]
+    freed_at: int | None = None  # the first mark at which its storage was found freed
+
+
+class _Sharing:
+    """What the segments of one traced run share, for mixes of candidates (fastckpt.planner.model): the tensors
+    they take from before the first segment, which the model frees after the forward unless a segment holds
+    them, and the forms the storage made of those once and reused in later segments (storage.packer)."""
+
+    def __init__(self) -> None:
+        self.inputs: dict[int, _Input] = {}  # by storage address
+        self.made_by_segments: set[int] = set()  # storage addresses of the segments' outputs
+        self.current: int | None = None  # the segment whose forward runs
+        self.forms: dict[int, dict[tuple, int]] = {}  # per segment: the shared forms its forward used, their bytes
+        self.made: dict[int, set[tuple]] = {}  # per segment: those it made
+        self.unshared: set[tuple] = set()  # forms made by more than one segment
+
+    def entering(self, index: int, inputs: Any) -> None:
+        self.current = index
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        for position, t in enumerate(tensors):
+            storage = t.untyped_storage()
+            address = storage.data_ptr()
+            if address == 0 or address in self.made_by_segments or (t.is_leaf and t.requires_grad):
+                continue  # another segment's output (the model's peak terms), or alive for the whole step
+            if address not in self.inputs:
+                self.inputs[address] = _Input((index, position), storage.nbytes(), StorageWeakRef(storage), [])
+            if index not in self.inputs[address].receivers:
+                self.inputs[address].receivers.append(index)
+
+    def left(self, output: Any) -> None:
+        self.current = None
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor):
+                self.made_by_segments.add(t.untyped_storage().data_ptr())
+
+    def stored(self, key: tuple, stored: Any, made: bool) -> None:
+        """packer.observe_shared's callback: a form of a segment input, made or reused in a forward."""
+        source = self.inputs.get(key[0])
+        if self.current is None or source is None or key[-1] is not None:  # backward, internal, or on host
+            return
+        form = (source.name, *key[1:])
+        self.forms.setdefault(self.current, {})[form] = sum(nbytes(x) for x in stored.tensors)
+        if made:
+            if any(form in forms for forms in self.made.values()):
+                self.unshared.add(form)  # made again: the first form died with the view it was made from
+            self.made.setdefault(self.current, set()).add(form)
+
+    def used(self, index: int) -> dict[tuple, int]:
+        """The shared forms segment `index`'s forward used, and their bytes (those made in every segment that
+        uses them are its own: its kept bytes have them)."""
+        return {form: size for form, size in self.forms.get(index, {}).items() if form not in self.unshared}
+
+    def check(self, mark: int) -> None:
+        for source in self.inputs.values():
+            if source.freed_at is None and source.storage.expired():
+                source.freed_at = mark
+
+    def held(self, keys: list[str], n: int) -> dict[tuple[int, int], tuple[int, int, list[int]]]:
+        """Per input freed in the backward: (its bytes, h, the segments taking it), h the segment whose backward freed it, i.e. the first
+        segment holding it (those after it that take it are taken to hold it too). Inputs freed in the forward
+        (the model's peak terms have them) or never (kept outside the step) are left out; freed between the
+        forward and the backward: h = n (none holds it)."""
+        first: dict[str, int] = {}
+        for index, key in enumerate(keys):
+            first.setdefault(key, index)
+        found = {}
+        for source in self.inputs.values():
+            at = source.freed_at
+            if at is None or at <= first[f"F{n - 1}"]:
+                continue
+            # backward runs from the last segment to the first: segment i's from mark b<i> to b<i-1>
+            h = n if at <= first[f"b{n - 1}"] else min(i for i in range(n) if first[f"b{i}"] < at)
+            found[source.name] = (source.nbytes, h, source.receivers)
+        return found
 
 
 class _Instrumented:
@@ -88,6 +177,8 @@ class _Instrumented:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.calls[index] += 1
             self.recorder.mark(f"f{index}")
+            if self.recorder.sharing is not None:
+                self.recorder.sharing.entering(index, (args, kwargs))
             for t in tree_leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self.handles.append(t.register_hook(self._grad_mark(f"B{index}")))
@@ -97,6 +188,8 @@ class _Instrumented:
     def _post(self, index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self.recorder.mark(f"F{index}")
+            if self.recorder.sharing is not None:
+                self.recorder.sharing.left(output)
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self.handles.append(t.register_hook(self._grad_mark(f"b{index}")))
@@ -173,14 +266,35 @@ def _intervals(keys: list[str], n: int) -> dict[str, tuple[int, int]]:
     return spans
 
 
+@dataclass
+class _Traced:
+    """What one traced run gives (the module docstring's quantities, and what the segments share)."""
+
+    kept: list[int]
+    forward: list[int]
+    backward: list[int]
+    start_live: int
+    pre_peak: int
+    post_peak: int
+    tail: int
+    peak: int
+    bits: float
+    shared: list[dict[tuple, int]]  # per segment: the shared forms its forward used, their bytes
+    made: list[frozenset]  # per segment: those it made
+    held: list[frozenset]  # per segment: the inputs from before the segments it holds past the forward
+    held_bytes: dict[tuple, int]  # their bytes
+    dropped: frozenset  # those freed between the forward and the backward: no segment held them
+
+
 def _memory_run(
     segments: list[Segment], step: Callable[[], Any], candidate: Candidate, device: torch.device
-) -> tuple[list[int], list[int], list[int], int, int, int, int, int, float]:
-    """K, F, X per segment and L0, pre, post, T, the peak and the kept bits/element, from one traced run."""
+) -> _Traced:
+    """K, F, X per segment and L0, pre, post, T, the peak, the kept bits/element and the sharing, from one run."""
     n = len(segments)
     with track() as report, MemoryTrace(device) as trace:
         recorder = _Recorder(device, trace)
-        _run(segments, step, candidate, recorder)
+        with observe_shared(recorder.sharing.stored):
+            _run(segments, step, candidate, recorder)
     points = trace.points[: len(recorder.keys)]  # the trace's own final point is its exit
     spans = _intervals(recorder.keys, n)
 
@@ -204,7 +318,16 @@ def _memory_run(
     stored = [s for s in report.segments if not s.policy.endswith("(recomputed)")]
     elements = sum(s.raw_elements for s in stored)
     bits = 8 * sum(s.stored_bytes for s in stored) / elements if elements else float("nan")
-    return kept, forward, backward, l0, peak(spans["pre"]), peak(spans["post"]), tail, trace.peak, bits
+    sharing = recorder.sharing
+    held = sharing.held(recorder.keys, n)
+    return _Traced(
+        kept, forward, backward, l0, peak(spans["pre"]), peak(spans["post"]), tail, trace.peak, bits,
+        shared=[sharing.used(i) for i in range(n)],
+        made=[frozenset(sharing.made.get(i, set()) - sharing.unshared) for i in range(n)],
+        held=[frozenset(name for name, (_, h, takers) in held.items() if h <= i and i in takers) for i in range(n)],
+        held_bytes={name: size for name, (size, _, _) in held.items()},
+        dropped=frozenset(name for name, (_, h, _) in held.items() if h == n),
+    )  # fmt: skip
 
 
 def _timed_run(
@@ -264,26 +387,40 @@ def measure_candidates(
     for _ in range(repeats):  # interleaved, so drift of the machine's speed hits every candidate alike
         for candidate in ran:
             samples[candidate.name].append(_timed_run(segments, step, candidate, device))
-    pre = max(m[4] for m in memory.values())
-    post = max(m[5] for m in memory.values())
-    l0 = max(m[3] for m in memory.values())
+    pre = max(m.pre_peak for m in memory.values())
+    post = max(m.post_peak for m in memory.values())
+    l0 = max(m.start_live for m in memory.values())
     result = {}
     for name in samples:
-        kept, forward, backward, _, _, _, tail, peak, bits = memory[name]
+        traced = memory[name]
         per_segment = segment_seconds(segments, samples[name])
         total = min(run[-1] for run in samples[name])
         outside = min(run[-1] - sum(run[:-1]) for run in samples[name])
+        costs = [
+            SegmentCost(
+                traced.kept[i],
+                traced.forward[i],
+                traced.backward[i],
+                per_segment[i],
+                shared=traced.shared[i],
+                made=traced.made[i],
+                held=traced.held[i],
+            )  # fmt: skip
+            for i in range(len(segments))
+        ]
         result[name] = CandidateMeasurement(
             policy=name,
-            segments=[SegmentCost(kept[i], forward[i], backward[i], per_segment[i]) for i in range(len(segments))],
+            segments=costs,
             start_live=l0,
             pre_peak=pre,
             post_peak=post,
-            tail_level=tail,
-            peak=peak,
+            tail_level=traced.tail,
+            peak=traced.peak,
             step_seconds=total,
             outside_seconds=outside,
-            bits_per_element=bits,
+            bits_per_element=traced.bits,
+            held_bytes=traced.held_bytes,
+            dropped=traced.dropped,
         )
     return result, failed
 

@@ -1,33 +1,42 @@
 """The planner's solver, pure: the fastest choice of one option per segment whose peak fits a budget.
 
-Input: `options[i][j]`, option j on segment i (the planner's: candidate j on segment i), as four numbers
-(an Option): `kept` bytes it adds to what stays live until segment i's backward, the `before` and `after`
-levels its own forward and backward reach, and its `seconds`. With S_i = kept of segments 1..i (each under
-its chosen option) the peak of a choice is
+Input: `options[i][j]`, option j on segment i (the planner's: candidate j on segment i), as an Option: `kept`
+bytes it adds to what stays live until segment i's backward, the `before` and `after` levels its own forward
+and backward reach, its `seconds`, and two sets of shared things, whose bytes `shared_bytes` gives:
+
+- `shared`: stored forms several segments may use (a codec's copy of the position embeddings every layer
+  takes, made once): live from the forward of the first segment whose option uses it to that segment's
+  backward (the last to release it);
+- `held`: tensors live before the first segment (the model's own, e.g. the embedding output) that are freed
+  after the forward unless an option holds them: then live until the backward of the first segment holding
+  them. The forward levels count them in `base` already; `after` is the level as if none were held.
+
+With S_i = kept of segments 1..i (each under its chosen option), U_i the shared forms used by segments 1..i
+and H_i the tensors held by them, the peak of a choice is
 
     peak = max( floor,
-                max_i base + S_(i-1) + before_i,      (segment i's forward: the segments before it kept)
-                max_i base + S_i + after_i )          (segment i's backward: the segments after it freed)
+                max_i base + S_(i-1) + bytes(U_i) + before_i,            (segment i's forward)
+                max_i base + S_i + bytes(U_i) + bytes(H_i) + after_i )   (its backward: later segments freed)
 
 and its time is the sum of the chosen `seconds`. `base` is what is live before the first segment, `floor`
 the peak outside every segment.
 
-Every term depends only on the prefix sum S and one segment's option, so this is a knapsack over segments:
-a dynamic programme over S keeping, for each S, the best prefix. A prefix with a smaller S and no worse
-value dominates (every later level only grows with S), so only the Pareto front of (S, value) is kept; it
-is exact while the front has at most MAX_STATES states, and beyond that it is thinned to two states per
-byte bin (the one with the most room left and the best value), which may miss a choice but never returns
-one above the budget. Ties go to the earlier option and the earlier prefix.
+Every term depends only on the prefix (S, U, H) and one segment's option, so this is a knapsack over segments:
+a dynamic programme over prefixes keeping, for each (S, U, H), the best one. Among prefixes of the same U and H
+a smaller S with no worse value dominates (every later level only grows with S), so only that Pareto front is
+kept; it is exact while a front has at most MAX_STATES states, and beyond that it is thinned to two states per
+byte bin (the one with the most room left and the best value), which may miss a choice but never returns one
+above the budget. Ties go to the earlier option and the earlier prefix.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-MAX_STATES = 4096  # prefix states kept per segment before thinning
+MAX_STATES = 4096  # prefix states kept per segment (and per set of shared things) before thinning
 
 
 @dataclass(frozen=True)
@@ -38,19 +47,51 @@ class Option:
     before: int  # level its forward reaches above the level at its start, before `kept` is added (F)
     after: int  # level its backward reaches above the level once `kept` is added (X; the last segment: or tail)
     seconds: float
+    shared: frozenset[Hashable] = field(default_factory=frozenset)  # stored forms it uses (made by the first)
+    held: frozenset[Hashable] = field(default_factory=frozenset)  # tensors from before the segments it holds
 
 
 Options = Sequence[Sequence[Option]]
+Prefix = tuple[frozenset, frozenset]  # (U, H): the shared forms used and the tensors held so far
 
 
-def peak(options: Options, choice: Sequence[int], base: int = 0, floor: int = 0) -> int:
+class _Levels:
+    """The two levels of an option after a prefix, with the bytes of the shared things."""
+
+    def __init__(self, base: int, shared_bytes: Mapping[Hashable, int]) -> None:
+        self.base = base
+        self.shared_bytes = shared_bytes
+
+    def bytes(self, things: frozenset) -> int:
+        return sum(self.shared_bytes[t] for t in things)
+
+    def step(self, s: int, prefix: Prefix, option: Option) -> tuple[int, Prefix, int]:
+        """(largest level of `option` after prefix (s, prefix), the prefix after it, its S)."""
+        used, held = prefix
+        used_after = used | option.shared if option.shared else used
+        held_after = held | option.held if option.held else held
+        shared = self.bytes(used_after)
+        forward = self.base + s + shared + option.before
+        backward = self.base + s + option.kept + shared + self.bytes(held_after) + option.after
+        return max(forward, backward), (used_after, held_after), s + option.kept
+
+
+EMPTY: Prefix = (frozenset(), frozenset())
+
+
+def peak(
+    options: Options,
+    choice: Sequence[int],
+    base: int = 0,
+    floor: int = 0,
+    shared_bytes: Mapping = {},  # noqa: B006
+) -> int:
     """The peak of `choice` (choice[i]: the option index on segment i)."""
-    level, prefix = floor, 0
+    levels = _Levels(base, shared_bytes)
+    level, s, prefix = floor, 0, EMPTY
     for i, j in enumerate(choice):
-        option = options[i][j]
-        level = max(level, base + prefix + option.before)
-        prefix += option.kept
-        level = max(level, base + prefix + option.after)
+        reached, prefix, s = levels.step(s, prefix, options[i][j])
+        level = max(level, reached)
     return level
 
 
@@ -59,22 +100,28 @@ def seconds(options: Options, choice: Sequence[int]) -> float:
     return sum(options[i][j].seconds for i, j in enumerate(choice))
 
 
-def fastest_within(options: Options, budget: float, base: int = 0, floor: int = 0) -> list[int] | None:
+def fastest_within(
+    options: Options,
+    budget: float,
+    base: int = 0,
+    floor: int = 0,
+    shared_bytes: Mapping = {},  # noqa: B006
+) -> list[int] | None:
     """The choice with the least time whose peak is at most `budget`; None when no choice fits."""
 
     def add_time(value: float, level: float, option: Option | None) -> float:
         return value + option.seconds if option is not None else 0.0
 
-    return _dynamic_programme(options, budget, base, floor, add_time)
+    return _dynamic_programme(options, budget, _Levels(base, shared_bytes), floor, add_time)
 
 
-def smallest_peak(options: Options, base: int = 0, floor: int = 0) -> list[int]:
+def smallest_peak(options: Options, base: int = 0, floor: int = 0, shared_bytes: Mapping = {}) -> list[int]:  # noqa: B006
     """The choice with the smallest peak."""
 
     def largest_level(value: float, level: float, option: Option | None) -> float:
         return max(value, level)
 
-    found = _dynamic_programme(options, math.inf, base, floor, largest_level)
+    found = _dynamic_programme(options, math.inf, _Levels(base, shared_bytes), floor, largest_level)
     if found is None:  # cannot happen: without a limit every prefix is kept
         raise RuntimeError("fastckpt.plan internal error: no assignment without a limit")
     return found
@@ -86,7 +133,7 @@ State = tuple[int, float, Any]  # (S, value, path: (previous path, option index)
 
 
 def _dynamic_programme(
-    options: Options, limit: float, base: int, floor: int, fold: Callable[[float, float, Option | None], float]
+    options: Options, limit: float, levels: _Levels, floor: int, fold: Callable[[float, float, Option | None], float]
 ) -> list[int] | None:
     """The best choice by `fold` whose every level stays within `limit` (None if there is none).
 
@@ -95,22 +142,23 @@ def _dynamic_programme(
     """
     if floor > limit:
         return None
-    front: list[State] = [(0, fold(0.0, floor, None), None)]
+    fronts: dict[Prefix, list[State]] = {EMPTY: [(0, fold(0.0, floor, None), None)]}
     for segment in options:
-        following: dict[int, tuple[float, Any]] = {}
-        for s, value, path in front:
-            for j, option in enumerate(segment):
-                level = max(base + s + option.before, base + s + option.kept + option.after)
-                if level > limit:
-                    continue
-                new = fold(value, level, option)
-                kept = s + option.kept
-                if kept not in following or new < following[kept][0]:
-                    following[kept] = (new, (path, j))
-        front = _thin(_pareto(following))
-        if not front:
+        following: dict[Prefix, dict[int, tuple[float, Any]]] = {}
+        for prefix, front in fronts.items():
+            for s, value, path in front:
+                for j, option in enumerate(segment):
+                    level, prefix_after, kept = levels.step(s, prefix, option)
+                    if level > limit:
+                        continue
+                    new = fold(value, level, option)
+                    states = following.setdefault(prefix_after, {})
+                    if kept not in states or new < states[kept][0]:
+                        states[kept] = (new, (path, j))
+        fronts = {prefix: _thin(_pareto(states)) for prefix, states in following.items()}
+        if not fronts:
             return None
-    _, _, path = min(front, key=lambda state: state[1])
+    _, _, path = min((state for front in fronts.values() for state in front), key=lambda state: state[1])
     chosen: list[int] = []
     while path is not None:
         path, j = path

@@ -14,7 +14,7 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -97,6 +97,7 @@ class _StoredOnce:
 
     def __init__(self) -> None:
         self._entries: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self.observers: list[Callable[[tuple, _Stored, bool], None]] = []
 
     def get(self, key: tuple) -> _Stored | None:
         first_saved, stored_ref = self._entries.get(key, (None, None))
@@ -114,6 +115,18 @@ class _StoredOnce:
 
 
 _SHARED = _StoredOnce()
+
+
+@contextlib.contextmanager
+def observe_shared(callback: Callable[[tuple, _Stored, bool], None]) -> Iterator[None]:
+    """Within the context, `callback(key, stored, made)` on every tensor stored through the shared forms (`made`:
+    stored now; else an earlier form reused). The key's first field is the source storage's address. The planner
+    uses it to see which segments share a stored form."""
+    _SHARED.observers.append(callback)
+    try:
+        yield
+    finally:
+        _SHARED.observers.remove(callback)
 
 
 class SegmentStorage:
@@ -166,10 +179,13 @@ class SegmentStorage:
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version,
                t.device, policy.codec, policy.group_size, policy.stochastic_rounding, owner)  # fmt: skip
         stored = _SHARED.get(key)
-        if stored is None:
+        made = stored is None
+        if made:
             record.count_raw(t)
             stored = self._store(t, policy)
             _SHARED.put(key, t, stored)
+        for observer in _SHARED.observers:
+            observer(key, stored, made)
         record.pack_seconds += time.perf_counter() - start
         return stored
 
