@@ -138,10 +138,10 @@ class _Sharing:
                 source.freed_at = mark
 
     def held(self, keys: list[str], n: int) -> dict[tuple[int, int], tuple[int, int, list[int]]]:
-        """Per input freed in the backward: (its bytes, h, the segments taking it), h the segment whose backward freed it, i.e. the first
-        segment holding it (those after it that take it are taken to hold it too). Inputs freed in the forward
-        (the model's peak terms have them) or never (kept outside the step) are left out; freed between the
-        forward and the backward: h = n (none holds it)."""
+        """Per input freed after the forward: (its bytes, h, the segments taking it), h the segment whose backward
+        freed it, i.e. the first segment holding it (those after it that take it are taken to hold it too), or
+        h = n when it was freed between the forward and the backward (none holds it). Inputs freed in the
+        forward (the kept bytes have them) or never (kept outside the step) are left out."""
         first: dict[str, int] = {}
         for index, key in enumerate(keys):
             first.setdefault(key, index)
