@@ -1,5 +1,6 @@
 """fastckpt.planner.solver alone: on small random instances it finds what brute force over every choice finds."""
 
+import dataclasses
 import itertools
 import random
 
@@ -67,6 +68,61 @@ def test_fastest_within_and_smallest_peak_match_brute_force(seed, n, k):
             assert chosen is None
             continue
         assert chosen is not None and len(chosen) == n and levels_peak(options, chosen, base, floor) <= budget
+        fastest = min(solver.seconds(options, c) for c in feasible)
+        assert solver.seconds(options, chosen) == pytest.approx(fastest, abs=1e-12)
+
+
+def with_sharing(options, seed: int, unit: int = 4099):
+    """The options with random shared forms and held tensors, and those things' bytes."""
+    rng = random.Random(seed + 1000)
+    sizes = {thing: unit * rng.randint(1, 30) for thing in ("form a", "form b", "held x", "held y")}
+    forms, held = [t for t in sizes if t.startswith("form")], [t for t in sizes if t.startswith("held")]
+    shared = [
+        [
+            dataclasses.replace(
+                option,
+                shared=frozenset(t for t in forms if rng.random() < 0.5),
+                held=frozenset(t for t in held if rng.random() < 0.4),
+            )
+            for option in segment
+        ]
+        for segment in options
+    ]
+    return shared, sizes
+
+
+def sharing_peak(options, choice, base, floor, sizes) -> int:
+    """The peak by the rules the solver's docstring states: a form is live from the forward of its first user
+    to that one's backward, a held tensor (in `base` during the forward) in the backward of segments at or
+    after its first holder."""
+    chosen = [options[i][j] for i, j in enumerate(choice)]
+    levels = [floor]
+    for i, option in enumerate(chosen):
+        upto = chosen[: i + 1]
+        forms = sum(sizes[t] for t in set().union(*(o.shared for o in upto)))
+        held = sum(sizes[t] for t in set().union(*(o.held for o in upto)))
+        kept_before = sum(o.kept for o in chosen[:i])
+        levels.append(base + kept_before + forms + option.before)
+        levels.append(base + kept_before + option.kept + forms + held + option.after)
+    return max(levels)
+
+
+@pytest.mark.parametrize(("seed", "n", "k"), CASES)
+def test_shared_forms_and_held_tensors_match_brute_force(seed, n, k):
+    plain, base, floor = instance(seed, n, k)
+    options, sizes = with_sharing(plain, seed)
+    choices = every_choice(options)
+    peaks = {c: sharing_peak(options, c, base, floor, sizes) for c in choices}
+    assert all(solver.peak(options, c, base, floor, sizes) == peaks[c] for c in choices)
+    smallest = min(peaks.values())
+    assert peaks[tuple(solver.smallest_peak(options, base, floor, sizes))] == smallest
+    for budget in (smallest - 1, smallest, max(peaks.values())):
+        feasible = [c for c in choices if peaks[c] <= budget]
+        chosen = solver.fastest_within(options, budget, base, floor, sizes)
+        if not feasible:
+            assert chosen is None
+            continue
+        assert peaks[tuple(chosen)] <= budget
         fastest = min(solver.seconds(options, c) for c in feasible)
         assert solver.seconds(options, chosen) == pytest.approx(fastest, abs=1e-12)
 
