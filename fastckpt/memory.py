@@ -38,6 +38,9 @@ class MemoryTrace:
         if self.device.type not in ("cpu", "cuda"):
             raise ValueError(f"fastckpt.memory: measures cpu and cuda devices, not {self.device.type!r}")
         self.points: list[Point] = []
+        # CPU: every block allocated inside the trace as (marks made before its allocation, marks made before
+        # its free or None if still live at the end, bytes, address); None on CUDA (no allocation records).
+        self.lifetimes: list[tuple[int, int | None, int, int]] | None = None
         self._keys: list[str] = []
         self._profiler: torch.profiler.profile | None = None
         self._base = 0
@@ -79,7 +82,7 @@ class MemoryTrace:
         self._keys.append("end")
         self._profiler.__exit__(*exc)
         if exc[0] is None:
-            self.points = _replay(self._profiler, self._keys)
+            self.points, self.lifetimes = _replay(self._profiler, self._keys)
         self._profiler = None
 
     @property
@@ -88,8 +91,11 @@ class MemoryTrace:
         return max([0, *(p.peak_before for p in self.points), *(p.live for p in self.points)])
 
 
-def _replay(profiler: torch.profiler.profile, keys: list[str]) -> list[Point]:
-    """Points (in mark order) from the profiler's allocation records and mark ranges, replayed in time order."""
+def _replay(
+    profiler: torch.profiler.profile, keys: list[str]
+) -> tuple[list[Point], list[tuple[int, int | None, int, int]]]:
+    """Points (in mark order) from the profiler's allocation records and mark ranges, replayed in time order,
+    and the blocks' lifetimes (MemoryTrace.lifetimes)."""
     allocation = _compat.require("profiler_allocation_fields")
     events = []  # (time ns, kind: 0 mark / 1 allocation record, mark index or (address, bytes))
     stack = list(profiler.profiler.kineto_results.experimental_event_tree())
@@ -111,20 +117,27 @@ def _replay(profiler: torch.profiler.profile, keys: list[str]) -> list[Point]:
     events.sort(key=lambda e: (e[0], e[1]))
     points: list[Point | None] = [None] * len(keys)
     blocks: dict[int, int] = {}
-    live = peak = 0
+    born: dict[int, int] = {}  # per live block: marks made before its allocation
+    lifetimes = []
+    live = peak = marks = 0
     for _, kind, value in events:
         if kind == 0:
             points[value] = Point(keys[value], live, peak)
             peak = live
+            marks += 1
             continue
         address, delta = value
         if delta > 0:
             blocks[address] = blocks.get(address, 0) + delta
+            born.setdefault(address, marks)
             live += delta
             peak = max(peak, live)
         elif address in blocks:  # a free of a block allocated inside the trace
-            live -= blocks.pop(address)
-    return points
+            size = blocks.pop(address)
+            lifetimes.append((born.pop(address), marks, size, address))
+            live -= size
+    lifetimes += [(born[address], None, size, address) for address, size in blocks.items()]
+    return points, lifetimes
 
 
 def peak_bytes(step: Callable[[], object], device: torch.device | str = "cpu") -> int:

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastckpt.integrations import hf  # noqa: E402
 
-MIXES = 5  # random assignments per model, besides every uniform one
+MIXES = 8  # random assignments per model, besides every uniform one
 
 
 def measured_peak(measurements: Measurements, policies: list[str]) -> int:
@@ -31,20 +31,15 @@ def measured_peak(measurements: Measurements, policies: list[str]) -> int:
             setattr(segment.parent, segment.attribute, segment.module)
 
 
-def check_mixes(measurements: Measurements, seed: int, tolerance: float = 0.0) -> list[float]:
-    """Every uniform assignment predicted to the byte, MIXES random ones within `tolerance` (relative); returns
-    the mixes' measured / predicted ratios."""
+def check_mixes(measurements: Measurements, seed: int) -> None:
+    """Every uniform assignment and MIXES random ones predicted to the byte."""
     n = len(measurements.segments)
     for name, m in measurements.by_policy.items():
         assert measurements.predict_peak([name] * n) == m.peak, name
     rng = random.Random(seed)
-    ratios = []
     for _ in range(MIXES):
         policies = [rng.choice(measurements.candidates) for _ in range(n)]
-        predicted, measured = measurements.predict_peak(policies), measured_peak(measurements, policies)
-        assert abs(measured - predicted) <= tolerance * measured, (policies, predicted, measured)
-        ratios.append(measured / predicted)
-    return ratios
+        assert measurements.predict_peak(policies) == measured_peak(measurements, policies), policies
 
 
 class Rotary(nn.Module):
@@ -117,9 +112,7 @@ def test_hugging_face_llama_padded_in_bf16():
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     hf.enable(model, loss_head=True, padded_attention=True)
     measurements = hf.measure(model, batch, autocast=torch.bfloat16, repeats=1, progress=False)
-    # Not to the byte: where a 'none' layer comes before layers storing through a codec, the backward of those
-    # holds one block of the attention mask's size more than the model has (not yet explained): here 1.7% of
-    # the peak in one of the five mixes (a 192-token mask against 64-wide layers), on the benchmark's Llama
-    # (8 layers, 1,024 tokens, hidden 256) 0.12% in two of nine. Without the sharing terms mixes missed by 9%.
-    ratios = check_mixes(measurements, seed=2, tolerance=0.03)
-    assert sum(ratio == 1.0 for ratio in ratios) >= 4  # the mixes without that pattern are exact
+    # what these layers share: position embeddings and the mask (stored once, held by some candidates), and
+    # autocast's casts of the weights (freed after the forward unless the layer's autograd saved them)
+    assert any(cost.transient for cost in measurements.by_policy["int8"].segments)
+    check_mixes(measurements, seed=2)

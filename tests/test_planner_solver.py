@@ -73,7 +73,8 @@ def test_fastest_within_and_smallest_peak_match_brute_force(seed, n, k):
 
 
 def with_sharing(options, seed: int, unit: int = 4099):
-    """The options with random shared forms and held tensors, and those things' bytes."""
+    """The options with random shared forms, held tensors, transient bytes and (the last segment's) tail
+    levels, and the shared things' bytes."""
     rng = random.Random(seed + 1000)
     sizes = {thing: unit * rng.randint(1, 30) for thing in ("form a", "form b", "held x", "held y")}
     forms, held = [t for t in sizes if t.startswith("form")], [t for t in sizes if t.startswith("held")]
@@ -83,10 +84,12 @@ def with_sharing(options, seed: int, unit: int = 4099):
                 option,
                 shared=frozenset(t for t in forms if rng.random() < 0.5),
                 held=frozenset(t for t in held if rng.random() < 0.4),
+                transient=rng.randint(0, option.kept),
+                tail=unit * rng.randint(-10, 60) if i == len(options) - 1 else None,
             )
             for option in segment
         ]
-        for segment in options
+        for i, segment in enumerate(options)
     ]
     return shared, sizes
 
@@ -94,16 +97,19 @@ def with_sharing(options, seed: int, unit: int = 4099):
 def sharing_peak(options, choice, base, floor, sizes) -> int:
     """The peak by the rules the solver's docstring states: a form is live from the forward of its first user
     to that one's backward, a held tensor (in `base` during the forward) in the backward of segments at or
-    after its first holder."""
+    after its first holder, transient bytes until the forward's end (the last segment's tail included)."""
     chosen = [options[i][j] for i, j in enumerate(choice)]
     levels = [floor]
     for i, option in enumerate(chosen):
         upto = chosen[: i + 1]
         forms = sum(sizes[t] for t in set().union(*(o.shared for o in upto)))
         held = sum(sizes[t] for t in set().union(*(o.held for o in upto)))
-        kept_before = sum(o.kept for o in chosen[:i])
-        levels.append(base + kept_before + forms + option.before)
-        levels.append(base + kept_before + option.kept + forms + held + option.after)
+        kept = sum(o.kept for o in upto)
+        transient = sum(o.transient for o in upto)
+        levels.append(base + kept - option.kept + forms + option.before)
+        levels.append(base + kept - transient + forms + held + option.after)
+        if option.tail is not None:
+            levels.append(base + kept + forms + held + option.tail)
     return max(levels)
 
 

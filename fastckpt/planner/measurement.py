@@ -90,7 +90,7 @@ class _Sharing:
 
     def __init__(self) -> None:
         self.inputs: dict[int, _Input] = {}  # by storage address
-        self.made_by_segments: set[int] = set()  # storage addresses of the segments' outputs
+        self.outputs: dict[int, set[int]] = {}  # per segment: the storage addresses of its outputs
         self.current: int | None = None  # the segment whose forward runs
         self.forms: dict[int, dict[tuple, int]] = {}  # per segment: the shared forms its forward used, their bytes
         self.made: dict[int, set[tuple]] = {}  # per segment: those it made
@@ -102,18 +102,19 @@ class _Sharing:
         for position, t in enumerate(tensors):
             storage = t.untyped_storage()
             address = storage.data_ptr()
-            if address == 0 or address in self.made_by_segments or (t.is_leaf and t.requires_grad):
+            made_by_a_segment = any(address in made for made in self.outputs.values())
+            if address == 0 or made_by_a_segment or (t.is_leaf and t.requires_grad):
                 continue  # another segment's output (the model's peak terms), or alive for the whole step
-            if address not in self.inputs:
+            if address not in self.inputs or self.inputs[address].storage.expired():  # (an address reused)
                 self.inputs[address] = _Input((index, position), storage.nbytes(), StorageWeakRef(storage), [])
             if index not in self.inputs[address].receivers:
                 self.inputs[address].receivers.append(index)
 
-    def left(self, output: Any) -> None:
+    def left(self, index: int, output: Any) -> None:
         self.current = None
         for t in tree_leaves(output):
             if isinstance(t, torch.Tensor):
-                self.made_by_segments.add(t.untyped_storage().data_ptr())
+                self.outputs.setdefault(index, set()).add(t.untyped_storage().data_ptr())
 
     def stored(self, key: tuple, stored: Any, made: bool) -> None:
         """packer.observe_shared's callback: a form of a segment input, made or reused in a forward."""
@@ -189,7 +190,7 @@ class _Instrumented:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self.recorder.mark(f"F{index}")
             if self.recorder.sharing is not None:
-                self.recorder.sharing.left(output)
+                self.recorder.sharing.left(index, output)
             for t in tree_leaves(output):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self.handles.append(t.register_hook(self._grad_mark(f"b{index}")))
@@ -284,6 +285,7 @@ class _Traced:
     held: list[frozenset]  # per segment: the inputs from before the segments it holds past the forward
     held_bytes: dict[tuple, int]  # their bytes
     dropped: frozenset  # those freed between the forward and the backward: no segment held them
+    transient: list[int]  # per segment: bytes its forward made that live until the forward's end, then freed
 
 
 def _memory_run(
@@ -327,7 +329,30 @@ def _memory_run(
         held=[frozenset(name for name, (_, h, takers) in held.items() if h <= i and i in takers) for i in range(n)],
         held_bytes={name: size for name, (size, _, _) in held.items()},
         dropped=frozenset(name for name, (_, h, _) in held.items() if h == n),
+        transient=_transient(trace.lifetimes, spans, n, sharing.outputs),
     )  # fmt: skip
+
+
+def _transient(
+    lifetimes: list[tuple[int, int | None, int, int]] | None, spans: dict, n: int, outputs: dict[int, set[int]]
+) -> list[int]:
+    """Per segment: bytes allocated in its forward, live at the forward's end and freed between the forward and
+    the backward, unless the segment saved them (autocast's casts of the weights, cached until the autocast
+    region ends): in K_i, but not in the backward levels. Its outputs (`outputs[i]`: their addresses) are left
+    out: whether they live on depends on the next segment. Zeros where the trace has no block records (CUDA)."""
+    if lifetimes is None:
+        return [0] * n
+    tail_start, tail_stop = spans["tail"]
+    found = [0] * n
+    for born, died, size, address in lifetimes:
+        # `born`/`died`: marks made before the allocation/free, so the last mark before it has index born - 1
+        if died is None or not tail_start <= died - 1 < tail_stop:
+            continue
+        for i in range(n):
+            start, stop = spans[f"fwd{i}"]
+            if start <= born - 1 < stop and address not in outputs.get(i, ()):
+                found[i] += size
+    return found
 
 
 def _timed_run(
@@ -405,7 +430,8 @@ def measure_candidates(
                 shared=traced.shared[i],
                 made=traced.made[i],
                 held=traced.held[i],
-            )  # fmt: skip
+                transient=traced.transient[i],
+            )
             for i in range(len(segments))
         ]
         result[name] = CandidateMeasurement(

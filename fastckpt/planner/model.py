@@ -10,9 +10,9 @@ i), with S_i = K_1(a_1) + ... + K_i(a_i):
                                                          still kept; those after it are freed)
                    L0 + S_n + T(a_n) )                 (loss and head, everything kept)
 
-which is fastckpt.planner.solver's peak with X_n(a_n) raised to T(a_n), plus what the segments share, which
-a run with every segment under one candidate hides (measured to the byte: mixes on a Hugging Face Llama missed
-by up to 9% without it):
+which is fastckpt.planner.solver's peak (T(a_n) as the last segment's tail), plus what the segments share,
+which a run with every segment under one candidate hides (mixes on a Hugging Face Llama missed by up to 9%
+without it; with it they are predicted to the byte on CPU):
 
 - a stored form of a tensor several segments take (an int8 copy of the position embeddings) is made once, by
   the first segment whose candidate stores it so, and lives until that segment's backward: measured per
@@ -21,7 +21,11 @@ by up to 9% without it):
 - a tensor from before the first segment (the embedding output, the position embeddings) is freed after the
   forward unless a segment holds it (a recomputing one keeps its inputs), and then lives until the backward of
   the first segment holding it: X_i and T here are the levels as if nobody held it, and the solver adds it
-  while a segment at or before i holds it.
+  while a segment at or before i holds it;
+- what a segment's forward makes and something outside it keeps until the forward ends (autocast caches its
+  casts of the weights for the whole autocast region) is freed then unless the segment saved it (plain
+  autograd saves the casts): measured per segment (CPU: MemoryTrace.lifetimes), it stays in K_i for the
+  forward levels and the solver takes it off the backward levels.
 
 Predicted step time: the candidates' median time outside the segments, plus the chosen t_i.
 """
@@ -46,6 +50,7 @@ class SegmentCost:
     shared: Mapping[Hashable, int] = field(default_factory=dict)  # shared forms its forward used: their bytes
     made: frozenset = frozenset()  # those of them it made (the first segment using them)
     held: frozenset = frozenset()  # tensors from before the segments it holds past the forward (model docstring)
+    transient: int = 0  # of kept_bytes, those freed once the forward ends (model docstring)
 
 
 @dataclass
@@ -74,11 +79,8 @@ ByPolicy = dict[str, CandidateMeasurement]
 
 def predicted_peak(measurements: ByPolicy, policies: list[str]) -> int:
     """The peak model's prediction (bytes above what is live before step()) for one policy name per segment."""
-    first = next(iter(measurements.values()))
-    dropped = _dropped(measurements)
-    options = [[_option(measurements[p], i, i == len(policies) - 1, dropped)] for i, p in enumerate(policies)]
-    floor = max(first.pre_peak, first.post_peak)
-    return solver.peak(options, [0] * len(policies), first.start_live, floor, _shared_bytes(measurements))
+    options, base, floor, sizes = _options(measurements, [[p] for p in policies])
+    return solver.peak(options, [0] * len(policies), base, floor, sizes)
 
 
 def predicted_seconds(measurements: ByPolicy, policies: list[str]) -> float:
@@ -89,15 +91,15 @@ def predicted_seconds(measurements: ByPolicy, policies: list[str]) -> float:
 
 def fastest_within(measurements: ByPolicy, names: list[str], n: int, budget: int) -> list[str] | None:
     """The assignment of `names` with the least predicted time whose predicted peak fits `budget` (None: none)."""
-    options, base, floor = _options(measurements, names, n)
-    found = solver.fastest_within(options, budget, base, floor, _shared_bytes(measurements))
+    options, base, floor, sizes = _options(measurements, [names] * n)
+    found = solver.fastest_within(options, budget, base, floor, sizes)
     return None if found is None else [names[j] for j in found]
 
 
 def smallest_peak(measurements: ByPolicy, names: list[str], n: int) -> list[str]:
     """The assignment of `names` with the smallest predicted peak."""
-    options, base, floor = _options(measurements, names, n)
-    return [names[j] for j in solver.smallest_peak(options, base, floor, _shared_bytes(measurements))]
+    options, base, floor, sizes = _options(measurements, [names] * n)
+    return [names[j] for j in solver.smallest_peak(options, base, floor, sizes)]
 
 
 def _option(m: CandidateMeasurement, i: int, last: bool, dropped: frozenset) -> solver.Option:
@@ -108,36 +110,36 @@ def _option(m: CandidateMeasurement, i: int, last: bool, dropped: frozenset) -> 
     made = sum(cost.shared[form] for form in cost.made)
     # Under m everywhere, the held tensors live in segment i's backward are those of the segments up to i.
     held = dropped.intersection(set().union(*(c.held for c in m.segments[: i + 1])))
-    after = cost.backward_level if not last else max(cost.backward_level, m.tail_level)
+    # ... and the transient bytes already freed are those of the segments up to i
+    transient = sum(c.transient for c in m.segments[: i + 1])
+    held_bytes = sum(m.held_bytes[name] for name in held)
     return solver.Option(
         cost.kept_bytes - made,
         cost.forward_excess - made,
-        after - sum(m.held_bytes[name] for name in held),
+        cost.backward_level - held_bytes + transient,
         cost.seconds,
+        transient=cost.transient,
+        # the loss and head may run before the transient bytes are freed: the tail keeps them
+        tail=m.tail_level - held_bytes if last else None,
         shared=frozenset(("form", form) for form in cost.shared),
         held=frozenset(("held", name) for name in cost.held & dropped),
     )
 
 
-def _dropped(measurements: ByPolicy) -> frozenset:
-    return frozenset().union(*(m.dropped for m in measurements.values()))
-
-
-def _shared_bytes(measurements: ByPolicy) -> dict[Hashable, int]:
-    """The bytes of every shared form and held tensor the options name (the same in every candidate's run)."""
-    found: dict[Hashable, int] = {}
-    for m in measurements.values():
-        for cost in m.segments:
-            found.update((("form", form), size) for form, size in cost.shared.items())
-        found.update((("held", name), size) for name, size in m.held_bytes.items())
-    return found
-
-
-def _options(measurements: ByPolicy, names: list[str], n: int) -> tuple[list[list[solver.Option]], int, int]:
-    """The solver's options (names[j] on segment i), base (L0) and floor (pre, post): the largest any candidate
-    showed (measure() gives every candidate the same)."""
-    dropped = _dropped(measurements)
-    options = [[_option(measurements[name], i, i == n - 1, dropped) for name in names] for i in range(n)]
+def _options(
+    measurements: ByPolicy, names: list[list[str]]
+) -> tuple[list[list[solver.Option]], int, int, dict[Hashable, int]]:
+    """The solver's options (names[i][j] on segment i), base (L0) and floor (pre, post): the largest any
+    candidate showed (measure() gives every candidate the same), and the bytes of the shared forms and held
+    tensors the options name (the same in every candidate's run)."""
+    dropped = frozenset().union(*(m.dropped for m in measurements.values()))
+    n = len(names)
+    options = [[_option(measurements[name], i, i == n - 1, dropped) for name in names[i]] for i in range(n)]
     base = max(m.start_live for m in measurements.values())
     floor = max(max(m.pre_peak, m.post_peak) for m in measurements.values())
-    return options, base, floor
+    sizes: dict[Hashable, int] = {}
+    for m in measurements.values():
+        for cost in m.segments:
+            sizes.update((("form", form), size) for form, size in cost.shared.items())
+        sizes.update((("held", name), size) for name, size in m.held_bytes.items())
+    return options, base, floor, sizes
