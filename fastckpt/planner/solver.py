@@ -2,7 +2,7 @@
 
 Input: `options[i][j]`, option j on segment i (the planner's: candidate j on segment i), as an Option: `kept`
 bytes it adds to what stays live until segment i's backward, the `before` and `after` levels its own forward
-and backward reach, its `seconds`, and two sets of shared things, whose bytes `shared_bytes` gives:
+and backward reach, its `seconds`, two sets of things segments share, whose bytes `shared_bytes` gives:
 
 - `shared`: stored forms several segments may use (a codec's copy of the position embeddings every layer
   takes, made once): live from the forward of the first segment whose option uses it to that segment's
@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 MAX_STATES = 4096  # prefix states kept per segment (and per set of shared things) before thinning
@@ -47,7 +48,7 @@ class Option:
 
     kept: int  # bytes it leaves live for the later segments' forward and its own backward (K)
     before: int  # level its forward reaches above the level at its start, before `kept` is added (F)
-    after: int  # level its backward reaches above the level once `kept` is added (X; the last segment: or tail)
+    after: int  # level its backward reaches above the level once `kept` is added (X)
     seconds: float
     shared: frozenset[Hashable] = field(default_factory=frozenset)  # stored forms it uses (made by the first)
     held: frozenset[Hashable] = field(default_factory=frozenset)  # tensors from before the segments it holds
@@ -86,6 +87,7 @@ class _Levels:
 
 
 EMPTY: Prefix = (frozenset(), frozenset(), 0)
+NOTHING_SHARED: Mapping[Hashable, int] = MappingProxyType({})
 
 
 def peak(
@@ -93,7 +95,7 @@ def peak(
     choice: Sequence[int],
     base: int = 0,
     floor: int = 0,
-    shared_bytes: Mapping = {},  # noqa: B006
+    shared_bytes: Mapping[Hashable, int] = NOTHING_SHARED,
 ) -> int:
     """The peak of `choice` (choice[i]: the option index on segment i)."""
     levels = _Levels(base, shared_bytes)
@@ -114,7 +116,7 @@ def fastest_within(
     budget: float,
     base: int = 0,
     floor: int = 0,
-    shared_bytes: Mapping = {},  # noqa: B006
+    shared_bytes: Mapping[Hashable, int] = NOTHING_SHARED,
 ) -> list[int] | None:
     """The choice with the least time whose peak is at most `budget`; None when no choice fits."""
 
@@ -124,7 +126,9 @@ def fastest_within(
     return _dynamic_programme(options, budget, _Levels(base, shared_bytes), floor, add_time)
 
 
-def smallest_peak(options: Options, base: int = 0, floor: int = 0, shared_bytes: Mapping = {}) -> list[int]:  # noqa: B006
+def smallest_peak(
+    options: Options, base: int = 0, floor: int = 0, shared_bytes: Mapping[Hashable, int] = NOTHING_SHARED
+) -> list[int]:
     """The choice with the smallest peak."""
 
     def largest_level(value: float, level: float, option: Option | None) -> float:
