@@ -343,15 +343,15 @@ def _transient(
     if lifetimes is None:
         return [0] * n
     tail_start, tail_stop = spans["tail"]
+    forward_of = {mark: i for i in range(n) for mark in range(*spans[f"fwd{i}"])}  # mark index -> segment
     found = [0] * n
     for born, died, size, address in lifetimes:
         # `born`/`died`: marks made before the allocation/free, so the last mark before it has index born - 1
         if died is None or not tail_start <= died - 1 < tail_stop:
             continue
-        for i in range(n):
-            start, stop = spans[f"fwd{i}"]
-            if start <= born - 1 < stop and address not in outputs.get(i, ()):
-                found[i] += size
+        i = forward_of.get(born - 1)
+        if i is not None and address not in outputs.get(i, ()):
+            found[i] += size
     return found
 
 
