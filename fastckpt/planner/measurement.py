@@ -83,6 +83,11 @@ class _Input:
     freed_at: int | None = None  # the first mark at which its storage was found freed
 
 
+def _dense(t: Any) -> bool:
+    """A tensor with a storage of its own to follow (not sparse, nested or a subclass without one)."""
+    return type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and not t.is_nested
+
+
 class _Sharing:
     """What the segments of one traced run share, for mixes of candidates (fastckpt.planner.model): the tensors
     they take from before the first segment, which the model frees after the forward unless a segment holds
@@ -98,7 +103,7 @@ class _Sharing:
 
     def entering(self, index: int, inputs: Any) -> None:
         self.current = index
-        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+        tensors = [t for t in tree_leaves(inputs) if _dense(t)]
         for position, t in enumerate(tensors):
             storage = t.untyped_storage()
             address = storage.data_ptr()
@@ -113,7 +118,7 @@ class _Sharing:
     def left(self, index: int, output: Any) -> None:
         self.current = None
         for t in tree_leaves(output):
-            if isinstance(t, torch.Tensor):
+            if _dense(t):
                 self.outputs.setdefault(index, set()).add(t.untyped_storage().data_ptr())
 
     def stored(self, key: tuple, stored: Any, made: bool) -> None:
