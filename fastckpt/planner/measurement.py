@@ -17,6 +17,10 @@ marks, per candidate p and segment i:
 
 L0 (live at the first segment's start), the peak before it and the peak after the first segment's backward
 do not depend on the policies; the planner takes the largest value any candidate showed.
+
+The traced run also records what the segments share, which a mix of candidates changes (_Sharing; the peak
+model in fastckpt.planner.model says how it is used): the stored forms each segment's forward made or reused,
+the tensors from before the first segment each holds past the forward, and (CPU) its transient bytes.
 """
 
 from __future__ import annotations
