@@ -105,9 +105,10 @@ class _Sharing:
         self.made: dict[int, set[tuple]] = {}  # per segment: those it made
         self.unshared: set[tuple] = set()  # forms made by more than one segment
 
-    def entering(self, index: int, inputs: Any) -> None:
+    def entering(self, index: int, leaves: list[Any]) -> None:
+        """Segment `index`'s forward starts with these leaves of its arguments."""
         self.current = index
-        tensors = [t for t in tree_leaves(inputs) if _dense(t)]
+        tensors = [t for t in leaves if _dense(t)]
         for position, t in enumerate(tensors):
             storage = t.untyped_storage()
             address = storage.data_ptr()
@@ -119,9 +120,10 @@ class _Sharing:
             if index not in self.inputs[address].receivers:
                 self.inputs[address].receivers.append(index)
 
-    def left(self, index: int, output: Any) -> None:
+    def left(self, index: int, leaves: list[Any]) -> None:
+        """Segment `index`'s forward ended with these leaves of its output."""
         self.current = None
-        for t in tree_leaves(output):
+        for t in leaves:
             if _dense(t):
                 self.outputs.setdefault(index, set()).add(t.untyped_storage().data_ptr())
 
@@ -147,21 +149,19 @@ class _Sharing:
             if source.freed_at is None and source.storage.expired():
                 source.freed_at = mark
 
-    def held(self, keys: list[str], n: int) -> dict[tuple[int, int], tuple[int, int, list[int]]]:
+    def held(self, spans: dict[str, tuple[int, int]], n: int) -> dict[tuple[int, int], tuple[int, int, list[int]]]:
         """Per input freed after the forward: (its bytes, h, the segments taking it), h the segment whose backward
         freed it, i.e. the first segment holding it (those after it that take it are taken to hold it too), or
         h = n when it was freed between the forward and the backward (none holds it). Inputs freed in the
-        forward (the kept bytes have them) or never (kept outside the step) are left out."""
-        first: dict[str, int] = {}
-        for index, key in enumerate(keys):
-            first.setdefault(key, index)
+        forward (the kept bytes have them) or never (kept outside the step) are left out. `spans`: _intervals'."""
+        forward_end, backward_start = spans["tail"]
         found = {}
         for source in self.inputs.values():
             at = source.freed_at
-            if at is None or at <= first[f"F{n - 1}"]:
+            if at is None or at <= forward_end:
                 continue
-            # backward runs from the last segment to the first: segment i's from mark b<i> to b<i-1>
-            h = n if at <= first[f"b{n - 1}"] else min(i for i in range(n) if first[f"b{i}"] < at)
+            # backward runs from the last segment to the first; segment i's starts at mark spans["bwd<i>"][0]
+            h = n if at <= backward_start else min(i for i in range(n) if spans[f"bwd{i}"][0] < at)
             found[source.name] = (source.nbytes, h, source.receivers)
         return found
 
@@ -187,9 +187,10 @@ class _Instrumented:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             self.calls[index] += 1
             self.recorder.mark(f"f{index}")
+            leaves = tree_leaves((args, kwargs))
             if self.recorder.sharing is not None:
-                self.recorder.sharing.entering(index, (args, kwargs))
-            for t in tree_leaves((args, kwargs)):
+                self.recorder.sharing.entering(index, leaves)
+            for t in leaves:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self.handles.append(t.register_hook(self._grad_mark(f"B{index}")))
 
@@ -198,9 +199,10 @@ class _Instrumented:
     def _post(self, index: int) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             self.recorder.mark(f"F{index}")
+            leaves = tree_leaves(output)
             if self.recorder.sharing is not None:
-                self.recorder.sharing.left(index, output)
-            for t in tree_leaves(output):
+                self.recorder.sharing.left(index, leaves)
+            for t in leaves:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     self.handles.append(t.register_hook(self._grad_mark(f"b{index}")))
 
@@ -330,7 +332,7 @@ def _memory_run(
     elements = sum(s.raw_elements for s in stored)
     bits = 8 * sum(s.stored_bytes for s in stored) / elements if elements else float("nan")
     sharing = recorder.sharing
-    held = sharing.held(recorder.keys, n)
+    held = sharing.held(spans, n)
     return _Traced(
         kept, forward, backward, l0, peak(spans["pre"]), peak(spans["post"]), tail, trace.peak, bits,
         shared=[sharing.used(i) for i in range(n)],
