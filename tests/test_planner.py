@@ -29,8 +29,8 @@ from fastckpt.planner import (
     measure,
     parse_candidate,
 )
-from fastckpt.planner.checks import samples_mixed
-from fastckpt.planner.measurement import segment_seconds
+from fastckpt.planner.checks import probe, samples_mixed
+from fastckpt.planner.measurement import segment_seconds, timing_rounds
 from fastckpt.planner.model import fastest_within, predicted_peak, smallest_peak
 from fastckpt.storage import codecs
 from fastckpt.tiling import TiledWrapper
@@ -221,6 +221,9 @@ def test_progress_bar_counts_every_step_run(max_error, monkeypatch, capsys):
 
         def update(self, n=1):
             self.n += n
+
+        def refresh(self):
+            pass
 
         def close(self):
             self.closed = True
@@ -429,11 +432,11 @@ def test_the_sample_check_leaves_the_buffers_as_the_step_left_them():
     twin, twin_step = batchnorm_model()
     segments = [Segment(f"blocks.{i}", checked.blocks, str(i), b) for i, b in enumerate(checked.blocks)]
     candidates = [parse_candidate("batch2:recompute"), parse_candidate("int8")]
-    assert list(samples_mixed(segments, step, torch.device("cpu"), candidates)) == [2]
-    twin_step()  # the check ran one step, then its own forwards, whose running statistics it undid
+    assert list(samples_mixed(segments, probe(segments, step), torch.device("cpu"), candidates)) == [2]
+    twin_step()  # the probe ran one step, then the check its own forwards, whose running statistics it undid
     for b, t in zip(checked.blocks, twin.blocks, strict=True):
         torch.testing.assert_close(b.norm.running_mean, t.norm.running_mean, rtol=0, atol=0)
-    assert samples_mixed(segments, lambda: None, torch.device("cpu"), candidates[:1]) == {}  # ran none
+    assert samples_mixed(segments, probe(segments, lambda: None), torch.device("cpu"), candidates[:1]) == {}
 
 
 def test_batch_slices_are_compared_with_the_same_slices_kept_exactly():
@@ -629,7 +632,27 @@ def test_segment_times_take_the_fastest_run_and_pool_identical_blocks():
         [1.1, 1.0, 3.0, 4.0, 0.0],
     ]
     # fastest runs: 1.0, 1.0, 1.2 for the identical blocks (median 1.0), 4.0 for the Linear of its own kind
-    assert segment_seconds(segments, runs) == [1.0, 1.0, 1.0, 4.0]
+    assert segment_seconds(segments, [["p"] * 4] * 2, runs) == {"p": [1.0, 1.0, 1.0, 4.0]}
+    # mixed runs: each candidate's time from the segments of the kind that ran it, fastest per segment first
+    mixed = segment_seconds(segments, [["p", "q", "p", "q"], ["q", "p", "q", "p"]], runs)
+    # q ran blocks 1 (9.0, slowed), 0 (1.1) and 2 (3.0): the slow one moves its median to 3.0, not its mean to 4.4
+    assert mixed == {"p": [1.0, 1.0, 1.0, 4.0], "q": [3.0, 3.0, 3.0, 5.0]}
+
+
+@pytest.mark.parametrize("repeats", [1, 2, 3])
+def test_timing_rounds_run_every_candidate_on_repeats_segments_of_each_kind(repeats):
+    blocks = [Block(), nn.Linear(64, 64), Block(), Block(), nn.Linear(64, 64), Block(), Block()]
+    segments = [Segment(str(i), nn.Module(), str(i), b) for i, b in enumerate(blocks)]
+    candidates = [parse_candidate(name) for name in ["none", "recompute", "int8", "int4", "recompute+int8"]]
+    rounds = timing_rounds(segments, candidates, repeats)
+    # the Linear kind has 2 segments: ceil(repeats x 5 / 2) runs, instead of repeats x 5 uniform ones
+    assert len(rounds) == -(-repeats * 5 // 2)
+    for kind in ([0, 2, 3, 5, 6], [1, 4]):
+        for candidate in candidates:
+            runs_on_kind = sum(assignment[i] == candidate for assignment in rounds for i in kind)
+            assert runs_on_kind >= repeats
+    one_kind = [Segment(str(i), nn.Module(), str(i), Block()) for i in range(8)]
+    assert len(timing_rounds(one_kind, candidates, repeats)) == -(-repeats * 5 // 8)
 
 
 # ---- max_error: candidates whose measured gradient error exceeds it are left out ----

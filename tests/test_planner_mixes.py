@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fastckpt.memory import peak_bytes
-from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, measure
+from fastckpt.planner import POLICY_CANDIDATES, Measurements, measure
 from tests.test_planner import make
 
 transformers = pytest.importorskip("transformers")
@@ -74,7 +74,7 @@ class RotaryBlock(nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(h)))
 
 
-CANDIDATES = [*DEFAULT_CANDIDATES, "batch2:int8", "batch2:recompute:int8+int8"]
+CANDIDATES = [*POLICY_CANDIDATES, "batch2:int8", "batch2:recompute:int8+int8"]
 
 
 def test_blocks_whose_input_the_model_frees_in_the_forward():

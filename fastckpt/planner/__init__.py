@@ -3,7 +3,8 @@
     plan = fastckpt.plan(model, step, "50%")    # or fastckpt.planner.measure(...), then .plan(budget) per budget
     plan.apply()
 
-measure() runs step() a handful of times with every segment under one candidate at a time (measurement),
+measure() runs step() a handful of times: per candidate once with every segment under it, then timed runs that
+mix the candidates over identical segments (measurement),
 plan(budget) predicts each assignment's peak and time from those runs (model) and picks the fastest that fits
 (solver). Candidates are strings, parsed once (candidates); the segments are found and the arguments checked
 in segments, the runs checked for what would make a candidate wrong (checks).
@@ -17,6 +18,7 @@ from fastckpt.planner import solver
 from fastckpt.planner.candidates import (
     DEFAULT_CANDIDATES,
     NONE,
+    POLICY_CANDIDATES,
     REFERENCE,
     Candidate,
     extended_candidates,
@@ -30,6 +32,7 @@ from fastckpt.planner.segments import Segment
 __all__ = [
     "DEFAULT_CANDIDATES",
     "NONE",
+    "POLICY_CANDIDATES",
     "REFERENCE",
     "Candidate",
     "CandidateMeasurement",

@@ -26,14 +26,16 @@ from fastckpt.policies import Policy, error_reason
 
 NONE = "none"  # the candidate that leaves a segment as it is (plain autograd, no checkpoint)
 REFERENCE = "recompute"  # stock checkpointing: what "N%" budgets are relative to
-DEFAULT_CANDIDATES = (NONE, "recompute", "recompute+int8", "int8", "int4", "recompute:int8+int8", "recompute:int4+int4")
+# Whole-segment policies: the segment left as it is, recomputed, stored through a codec, or both.
+POLICY_CANDIDATES = (NONE, "recompute", "recompute+int8", "int8", "int4", "recompute:int8+int8", "recompute:int4+int4")
 BATCH_PREFIX = "batch"
 # Selective candidates are named as hybrid labels their kept outputs: 'selective:int8', 'selective-attention:int8'.
 SELECTIVE_PREFIXES = (hybrid.PREFIX, hybrid.ATTENTION_PREFIX)
 
-# What extended_candidates adds: the fused attention kept int8, and the forms a batch slice runs (those too).
-_ATTENTION_CANDIDATES = ("selective-attention:int8", "selective-attention:recompute:int8+int8")
+# The fused attention (and dropout's masks) kept int8, and the forms a batch slice runs (those too).
+ATTENTION_CANDIDATES = ("selective-attention:int8", "selective-attention:recompute:int8+int8")
 _SLICED = ("int8", "recompute", "recompute+int8", "recompute:int8+int8")
+DEFAULT_BATCH_SLICES = (2,)
 
 
 @dataclass(frozen=True)
@@ -110,18 +112,23 @@ def parse_candidates(candidates: Iterable[str | Policy | None] | None) -> list[C
 
 
 def extended_candidates(batch_slices: Iterable[int] = ()) -> list[str]:
-    """DEFAULT_CANDIDATES, the fused attention (and dropout's masks) kept instead of recomputed
-    ('selective-attention:...', hybrid.keep_attention), and for each N
-    in `batch_slices` the segment on its batch in N slices ('batch<N>:...': only for segments that treat
-    every sample alone)."""
-    names = [*DEFAULT_CANDIDATES, *_ATTENTION_CANDIDATES]
+    """POLICY_CANDIDATES, the fused attention (and dropout's masks) kept instead of recomputed
+    ('selective-attention:...', hybrid.keep_attention), and for each N in `batch_slices` the segment on its
+    batch in N slices ('batch<N>:...': only for segments that treat every sample alone). DEFAULT_CANDIDATES
+    is extended_candidates(DEFAULT_BATCH_SLICES)."""
+    names = [*POLICY_CANDIDATES, *ATTENTION_CANDIDATES]
     for count in batch_slices:
         if not (isinstance(count, int) and not isinstance(count, bool) and count >= 2):
             raise ValueError(
                 f"fastckpt.extended_candidates: each batch slice count must be an integer >= 2, got {count!r}"
             )
-        names += [f"{BATCH_PREFIX}{count}:{form}" for form in (*_SLICED, *_ATTENTION_CANDIDATES)]
+        names += [f"{BATCH_PREFIX}{count}:{form}" for form in (*_SLICED, *ATTENTION_CANDIDATES)]
     return names
+
+
+# What plan() measures by default: every form above with batches in two slices. measure() leaves out, without a
+# warning, those that are the same as another on the model or that its checks refuse (checks.probe).
+DEFAULT_CANDIDATES = tuple(extended_candidates(DEFAULT_BATCH_SLICES))
 
 
 def _selective(name: str) -> Candidate | None:

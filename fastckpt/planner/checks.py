@@ -1,14 +1,18 @@
-"""Validity checks of a measurement: non-finite gradients, batch slicing that changes what a segment computes,
+"""Validity checks of a measurement: non-finite gradients, a probe of the segments before measuring (batch
+slicing that changes what a segment computes, functions a kept-attention candidate watches that never run),
 and the gradient-error measure."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 from fastckpt.planner.candidates import Candidate
@@ -61,31 +65,65 @@ def finite(grad: torch.Tensor) -> bool:
     return math.isfinite(low.item()) and math.isfinite(high.item())
 
 
-def samples_mixed(
-    segments: list[Segment], step: Callable[[], Any], device: torch.device, candidates: list[Candidate]
-) -> dict[int, str]:
-    """For each slice count N of the batch candidates among `candidates`: why slicing the batch in N changes what a
-    segment computes, if it does (absent: every segment treats its samples alone).
+@dataclass
+class Probe:
+    """One step() as the segments see it, before measuring: each segment's arguments (detached, from its first
+    call) and which of the watched functions ran inside a segment."""
 
-    One step() captures each segment's inputs; then, per segment, its forward runs twice from the same RNG
-    seed (no grad, buffers restored after), the second time with the samples outside the first slice
-    changed: the first slice's output must not move (BatchNorm in training, attention across the batch or
-    a batch-wide statistic would move it)."""
-    counts = sorted({c.batch_slices for c in candidates if c.batch_slices > 1})
-    if not counts:
-        return {}
+    inputs: dict[int, tuple]
+    called: frozenset
+
+
+def probe(segments: list[Segment], step: Callable[[], Any], watched: frozenset = frozenset()) -> Probe:
+    """Run step() once with the segments watched (Probe): what the batch and kept-attention checks read."""
     captured: dict[int, tuple] = {}
-    handles = [
-        segment.module.register_forward_pre_hook(
-            lambda module, args, kwargs, i=i: captured.setdefault(i, _detached((args, kwargs))), with_kwargs=True
+    called: set = set()
+    inside = [0]  # segments whose forward is running (nested segments count once each)
+
+    def entering(module: nn.Module, args: tuple, kwargs: dict, i: int) -> None:
+        captured.setdefault(i, _detached((args, kwargs)))
+        inside[0] += 1
+
+    def leaving(module: nn.Module, args: tuple, output: Any) -> None:
+        inside[0] -= 1
+
+    class Watch(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if inside[0] and func in watched:
+                called.add(func)
+            return func(*args, **(kwargs or {}))
+
+    handles = []
+    for i, segment in enumerate(segments):
+        handles.append(
+            segment.module.register_forward_pre_hook(
+                lambda module, args, kwargs, i=i: entering(module, args, kwargs, i), with_kwargs=True
+            )
         )
-        for i, segment in enumerate(segments)
-    ]
+        handles.append(segment.module.register_forward_hook(leaving))
     try:
-        step()
+        with Watch() if watched else contextlib.nullcontext():
+            step()
     finally:
         for handle in handles:
             handle.remove()
+    return Probe(captured, frozenset(called))
+
+
+def samples_mixed(
+    segments: list[Segment], probed: Probe, device: torch.device, candidates: list[Candidate]
+) -> dict[int, str]:
+    """For each slice count N of the batch candidates among `candidates`: why slicing the batch in N changes what a
+    segment computes, or cannot be done, if so (absent: every segment treats its samples alone).
+
+    From the segments' inputs in `probed`, per segment, its forward runs twice from the same RNG seed (no grad,
+    buffers restored after), the second time with the samples outside the first slice changed: the first
+    slice's output must not move (BatchNorm in training, attention across the batch or a batch-wide statistic
+    would move it). A batch of fewer than N samples cannot be cut in N slices."""
+    counts = sorted({c.batch_slices for c in candidates if c.batch_slices > 1})
+    if not counts:
+        return {}
+    captured = probed.inputs
     devices = [device] if device.type == "cuda" else []
 
     def forward(module: nn.Module, inputs: torch.Tensor, args: tuple, kwargs: dict) -> torch.Tensor:
@@ -104,8 +142,13 @@ def samples_mixed(
     for i, segment in enumerate(segments):
         args, kwargs = captured.get(i, ((), {}))
         x = args[0] if args else None
-        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] < 2:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
             continue  # nothing to slice here (tiled itself refuses a segment without a tensor first input)
+        for count in counts:
+            if x.shape[0] < count and count not in reasons:
+                reasons[count] = (
+                    f"segment {segment.name!r} takes a batch of {x.shape[0]}, which cannot be cut in {count} slices"
+                )
         unchecked = [count for count in counts if count not in reasons]
         if not unchecked:
             break

@@ -1,9 +1,10 @@
 """Measuring candidates: a handful of step() runs, and what they give per candidate and segment.
 
-Every segment runs under one candidate at a time: one run under a MemoryTrace (fastckpt.memory) with marks at
-each segment's forward start/end (module hooks) and at its backward start/end (gradient hooks on its
-outputs/inputs), then `repeats` timed runs per candidate, candidates interleaved round by round. From the
-marks, per candidate p and segment i:
+Memory: every segment under one candidate at a time, one run per candidate under a MemoryTrace
+(fastckpt.memory) with marks at each segment's forward start/end (module hooks) and at its backward start/end
+(gradient hooks on its outputs/inputs). Time: untimed by the trace, runs that mix the candidates, each segment
+under another (timing_rounds), so that one run times as many candidates as there are segments of a kind. From
+the marks, per candidate p and segment i:
 
     K_i(p)  kept bytes: live bytes added from segment i's start to segment i+1's start (the last one: to its
             end). What the segment keeps for backward, plus its output minus its input when nothing keeps
@@ -12,8 +13,8 @@ marks, per candidate p and segment i:
     X_i(p)  backward level: peak during segment i's backward above L0 + K_1(p) + ... + K_i(p).
     T(p)    tail level: peak between the last segment's forward and its backward (the loss, the head)
             above L0 + sum of all K (attributed to the last segment's policy).
-    t_i(p)  seconds in segment i's forward and backward (its recomputation included): the fastest of its
-            timed runs, then the median over segments that are the same block (see segment_seconds).
+    t_i(p)  seconds in segment i's forward and backward (its recomputation included): per segment the fastest
+            of p's runs on it, then the median over the segments of its kind that ran p (segment_seconds).
 
 L0 (live at the first segment's start), the peak before it and the peak after the first segment's backward
 do not depend on the policies; the planner takes the largest value any candidate showed.
@@ -25,6 +26,7 @@ the tensors from before the first segment each holds past the forward, and (CPU)
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 import warnings
@@ -167,15 +169,15 @@ class _Sharing:
 
 
 class _Instrumented:
-    """The segments under one candidate, with hooks that mark their forward and backward boundaries."""
+    """The segments, each under its candidate, with hooks that mark their forward and backward boundaries."""
 
-    def __init__(self, segments: list[Segment], candidate: Candidate, recorder: _Recorder) -> None:
+    def __init__(self, segments: list[Segment], assignment: list[Candidate], recorder: _Recorder) -> None:
         self.segments = segments
         self.recorder = recorder
         self.handles: list[Any] = []
         self.calls = [0] * len(segments)
         self.installed = []
-        for index, segment in enumerate(segments):
+        for index, (segment, candidate) in enumerate(zip(segments, assignment, strict=True)):
             runner = candidate.wrap(segment.module)
             if runner is not segment.module:
                 setattr(segment.parent, segment.attribute, runner)
@@ -221,10 +223,13 @@ class _Instrumented:
             setattr(segment.parent, segment.attribute, segment.module)
 
 
-def _run(segments: list[Segment], step: Callable[[], Any], candidate: Candidate, recorder: _Recorder) -> None:
-    """One step() with every segment run as `candidate`, its boundaries marked on `recorder`; the model is
-    left as it was."""
-    instrumented = _Instrumented(segments, candidate, recorder)
+def _run(
+    segments: list[Segment], step: Callable[[], Any], candidate: Candidate | list[Candidate], recorder: _Recorder
+) -> None:
+    """One step() with every segment run as `candidate` (a list: one per segment), its boundaries marked on
+    `recorder`; the model is left as it was."""
+    assignment = candidate if isinstance(candidate, list) else [candidate] * len(segments)
+    instrumented = _Instrumented(segments, assignment, recorder)
     try:
         recorder.mark("start")
         step()
@@ -367,12 +372,13 @@ def _transient(
 
 
 def _timed_run(
-    segments: list[Segment], step: Callable[[], Any], candidate: Candidate, device: torch.device
+    segments: list[Segment], step: Callable[[], Any], assignment: list[Candidate], device: torch.device
 ) -> list[float]:
-    """Seconds per segment (its forward and backward intervals), then the whole step, from one untraced run."""
+    """Seconds per segment (its forward and backward intervals), then the whole step, from one untraced run
+    with segment i under assignment[i]."""
     n = len(segments)
     recorder = _Recorder(device, None)
-    _run(segments, step, candidate, recorder)
+    _run(segments, step, assignment, recorder)
     at = recorder.elapsed()
     spans = _intervals(recorder.keys, n)
 
@@ -391,10 +397,14 @@ def measure_candidates(
     candidates: list[Candidate],
     device: torch.device,
     repeats: int,
+    *,
+    quiet: set[str] = frozenset(),
+    traced: Callable[[list[Candidate]], None] | None = None,
 ) -> tuple[dict[str, CandidateMeasurement], dict[str, str]]:
     """Every candidate that runs on this model measured, and the error of each that raised or gave NaN/inf
-    gradients where the plain step did not (left out with a warning; the reference, measured first, must run:
-    its errors are the model's or the step's)."""
+    gradients where the plain step did not (left out with a warning unless its name is in `quiet`; the
+    reference, measured first, must run: its errors are the model's or the step's). `traced` is called with
+    the candidates that ran once their traced runs are done (before the timed ones)."""
     with NonFinite(model, segments) as plain:
         step()  # warm-up (the plain step): one-time allocations (gradients, optimizer state), lazy initialisation
     memory, failed = {}, {}
@@ -415,23 +425,24 @@ def measure_candidates(
             for p, grad in grads:  # what the broken step accumulated must not skew the next runs
                 p.grad = grad
             failed[name] = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
-            warnings.warn(
-                f"fastckpt.plan: candidate {name!r} failed on this model, left out ({failed[name]})", stacklevel=4
-            )
+            if name not in quiet:
+                warnings.warn(
+                    f"fastckpt.plan: candidate {name!r} failed on this model, left out ({failed[name]})", stacklevel=4
+                )
     ran = [candidate for candidate in candidates if candidate.name in memory]
-    samples: dict[str, list[list[float]]] = {candidate.name: [] for candidate in ran}
-    for _ in range(repeats):  # interleaved, so drift of the machine's speed hits every candidate alike
-        for candidate in ran:
-            samples[candidate.name].append(_timed_run(segments, step, candidate, device))
+    if traced is not None:
+        traced(ran)
+    rounds = timing_rounds(segments, ran, repeats)
+    runs = [_timed_run(segments, step, assignment, device) for assignment in rounds]
+    seconds = segment_seconds(segments, [[c.name for c in assignment] for assignment in rounds], runs)
+    outside = min(run[-1] - sum(run[:-1]) for run in runs)  # the loss, the head, the optimizer: any candidate's
     pre = max(m.pre_peak for m in memory.values())
     post = max(m.post_peak for m in memory.values())
     l0 = max(m.start_live for m in memory.values())
     result = {}
-    for name in samples:
+    for name in seconds:
         traced = memory[name]
-        per_segment = segment_seconds(segments, samples[name])
-        total = min(run[-1] for run in samples[name])
-        outside = min(run[-1] - sum(run[:-1]) for run in samples[name])
+        per_segment = seconds[name]
         costs = [
             SegmentCost(
                 traced.kept[i],
@@ -453,7 +464,7 @@ def measure_candidates(
             post_peak=post,
             tail_level=traced.tail,
             peak=traced.peak,
-            step_seconds=total,
+            step_seconds=outside + sum(per_segment),
             outside_seconds=outside,
             bits_per_element=traced.bits,
             held_bytes=traced.held_bytes,
@@ -462,24 +473,53 @@ def measure_candidates(
     return result, failed
 
 
-def segment_seconds(segments: list[Segment], runs: list[list[float]]) -> list[float]:
-    """Each segment's time under one candidate, robust to a busy machine.
-
-    Another process only ever adds time, so a segment's time is its fastest run. Segments that are the same
-    block (same module type and parameter shapes) cost the same, so each gets the median over its kind: one
-    slow interval then moves no segment's estimate, and the solver does not pick between identical blocks
-    by noise.
-    """
-    fastest = [min(run[i] for run in runs) for i in range(len(segments))]
+def timing_rounds(segments: list[Segment], candidates: list[Candidate], repeats: int) -> list[list[Candidate]]:
+    """The assignments of the timed runs: in each kind of segment (the same block: signature), its segments take
+    the candidates in turn, so that each candidate runs on at least `repeats` segments of every kind. Segments
+    that are the same block cost the same (a candidate's time is a property of the block), so a run times as
+    many candidates as a kind has segments: ceil(repeats x candidates / segments of the smallest kind) runs
+    instead of repeats x candidates, and a candidate's samples come from several runs and positions."""
     kinds: dict[tuple, list[int]] = {}
     for i, segment in enumerate(segments):
         kinds.setdefault(signature(segment.module), []).append(i)
-    pooled = list(fastest)
+    m = len(candidates)
+    count = max(math.ceil(repeats * m / len(members)) for members in kinds.values())
+    rounds = [[candidates[0]] * len(segments) for _ in range(count)]
     for members in kinds.values():
-        typical = statistics.median(fastest[i] for i in members)
-        for i in members:
-            pooled[i] = typical
-    return pooled
+        for r in range(count):
+            for j, i in enumerate(members):
+                rounds[r][i] = candidates[(r * len(members) + j) % m]
+    return rounds
+
+
+def segment_seconds(
+    segments: list[Segment], assignments: list[list[str]], runs: list[list[float]]
+) -> dict[str, list[float]]:
+    """Per candidate, each segment's time, robust to a busy machine, from the timed runs (`runs[r][i]`: segment
+    i's seconds in run r, under the candidate named `assignments[r][i]`).
+
+    Another process only ever adds time, so a candidate's time on a segment is its fastest run there. Segments
+    that are the same block (same module type and parameter shapes) cost the same, so every segment of a kind
+    gets the median over the kind's segments that ran the candidate: one slow interval then moves no
+    estimate much, and the solver does not pick between identical blocks by noise.
+    """
+    fastest: dict[tuple[str, int], float] = {}
+    for assignment, run in zip(assignments, runs, strict=True):
+        for i, name in enumerate(assignment):
+            fastest[name, i] = min(run[i], fastest.get((name, i), math.inf))
+    kinds: dict[tuple, list[int]] = {}
+    for i, segment in enumerate(segments):
+        kinds.setdefault(signature(segment.module), []).append(i)
+    result: dict[str, list[float]] = {}
+    for name in dict.fromkeys(name for assignment in assignments for name in assignment):
+        seconds = [math.nan] * len(segments)
+        for members in kinds.values():
+            timed = [fastest[name, i] for i in members if (name, i) in fastest]
+            typical = statistics.median(timed) if timed else math.nan
+            for i in members:
+                seconds[i] = typical
+        result[name] = seconds
+    return result
 
 
 def gradient_errors(

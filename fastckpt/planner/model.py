@@ -64,7 +64,7 @@ class CandidateMeasurement:
     post_peak: int  # peak after the first segment's backward (rest of the backward, optimizer, ...)
     tail_level: int  # T
     peak: int  # measured peak of the step
-    step_seconds: float  # fastest step time of the timed runs
+    step_seconds: float  # its step's time: outside_seconds plus its segments' (the timed runs mix candidates)
     outside_seconds: float  # fastest step time outside the segments
     bits_per_element: float  # stored bits per element kept after forward (nan: nothing stored through a codec)
     # Largest relative L2 error of a parameter's gradient against no checkpointing, every segment under this

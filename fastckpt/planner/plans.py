@@ -12,9 +12,9 @@ from torch import nn
 
 from fastckpt.planner import model as peak_model
 from fastckpt.planner.budgets import Resident, check_budget, format_bytes, is_total, step_bytes
-from fastckpt.planner.candidates import REFERENCE, Candidate, parse_candidate, parse_candidates
-from fastckpt.planner.checks import samples_mixed
-from fastckpt.planner.measurement import gradient_errors, measure_candidates
+from fastckpt.planner.candidates import NONE, REFERENCE, Candidate, parse_candidate, parse_candidates
+from fastckpt.planner.checks import probe, samples_mixed
+from fastckpt.planner.measurement import gradient_errors, measure_candidates, timing_rounds
 from fastckpt.planner.model import CandidateMeasurement
 from fastckpt.planner.segments import Segment, check_arguments, device_of, find_segments
 from fastckpt.policies import Policy
@@ -36,6 +36,7 @@ class Measurements:
         parsed: Iterable[Candidate] = (),
         step: Callable[[], Any] | None = None,
         resident: Resident | None = None,
+        skipped: dict[str, str] | None = None,
     ) -> None:
         self.model = model
         self.step = step  # the measured step: plans are verified by running it (None: they cannot be)
@@ -44,6 +45,9 @@ class Measurements:
         self.by_policy = by_policy
         self.max_error = max_error
         self.failed = failed or {}  # candidates whose step raised on this model, with the error
+        # default candidates not measured or left out without a warning (the same as another here, or refused by
+        # the planner's checks, or failed: a batch slice of a segment that takes other batched inputs), and why
+        self.skipped = skipped or {}
         # What plans may choose (by_policy also holds the 'recompute' reference): the candidates that ran and,
         # with max_error, whose measured gradient error is within it.
         ran = [c for c in candidates if c in by_policy]
@@ -58,7 +62,7 @@ class Measurements:
 
     @property
     def reference_seconds(self) -> float:
-        """The fastest timed step with every segment under 'recompute'."""
+        """The step's time with every segment under 'recompute' (CandidateMeasurement.step_seconds)."""
         return self.by_policy[REFERENCE].step_seconds
 
     def budget_bytes(self, budget: int | str) -> int:
@@ -214,22 +218,25 @@ class Measurements:
         return self._parsed[name]
 
     def table(self) -> str:
-        """Per candidate: measured peak and step time, and its per-segment kept bytes and time (mean)."""
+        """Per candidate: measured peak and step time, and its per-segment kept bytes and time (mean); then the
+        candidates left out, and why."""
+        width = max(24, *(len(name) + 2 for name in self.by_policy))
         lines = [
-            f"{'candidate':<24}{'peak MiB':>10}{'step ms':>10}{'kept MiB/seg':>14}{'bwd MiB/seg':>13}"
+            f"{'candidate':<{width}}{'peak MiB':>10}{'step ms':>10}{'kept MiB/seg':>14}{'bwd MiB/seg':>13}"
             f"{'ms/seg':>9}{'bits/elem':>11}{'grad err':>10}"
         ]
         for name, m in self.by_policy.items():
             n = len(m.segments)
             error = "" if math.isnan(m.grad_error) else f"{m.grad_error:.1e}"
             lines.append(
-                f"{name:<24}{m.peak / 2**20:>10.2f}{m.step_seconds * 1e3:>10.1f}"
+                f"{name:<{width}}{m.peak / 2**20:>10.2f}{m.step_seconds * 1e3:>10.1f}"
                 f"{sum(c.kept_bytes for c in m.segments) / n / 2**20:>14.2f}"
                 f"{sum(c.backward_level for c in m.segments) / n / 2**20:>13.2f}"
                 f"{sum(c.seconds for c in m.segments) / n * 1e3:>9.1f}{_bits(m.bits_per_element):>11}{error:>10}"
                 + ("  (left out: > max_error)" if name in self.excluded else "")
             )
-        lines += [f"{name:<24}failed on this model, left out: {error}" for name, error in self.failed.items()]
+        lines += [f"{name}: failed on this model, left out: {error}" for name, error in self.failed.items()]
+        lines += [f"{name}: not used on this model: {why}" for name, why in self.skipped.items()]
         return "\n".join(lines)
 
 
@@ -281,13 +288,14 @@ class Plan:
 
     def table(self) -> str:
         """One line per segment (policy, kept bytes, backward level, time), then the predicted totals."""
-        lines = [f"{'segment':<24}{'policy':<22}{'kept MiB':>10}{'bwd MiB':>10}{'ms':>9}{'bits/elem':>11}"]
+        width = max(22, *(len(policy) + 2 for policy in self.policies))
+        lines = [f"{'segment':<24}{'policy':<{width}}{'kept MiB':>10}{'bwd MiB':>10}{'ms':>9}{'bits/elem':>11}"]
         for index, (segment, policy) in enumerate(zip(self.segments, self.policies, strict=True)):
             m = self.measurements.by_policy[policy]
             cost = m.segments[index]
             lines.append(
-                f"{segment.name:<24}{policy:<22}{cost.kept_bytes / 2**20:>10.2f}{cost.backward_level / 2**20:>10.2f}"
-                f"{cost.seconds * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
+                f"{segment.name:<24}{policy:<{width}}{cost.kept_bytes / 2**20:>10.2f}"
+                f"{cost.backward_level / 2**20:>10.2f}{cost.seconds * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
             )
         measured = "" if self.measured_peak is None else f", measured {self.measured_peak / 2**20:.2f} MiB"
         lines.append(
@@ -384,7 +392,11 @@ def measure(
     resident = Resident.measure(model, device, optimizer)  # before any step of ours
     names = [candidate.name for candidate in parsed]
     measured = parsed if REFERENCE in names else [*parsed, parse_candidate(REFERENCE)]
-    bar = _progress_bar(measured, repeats, max_error, progress)
+    watched = frozenset().union(*(c.selective.within or () for c in parsed if c.selective is not None))
+    probing = bool(watched) or any(c.batch_slices > 1 for c in parsed)
+    bar = _progress_bar(
+        int(probing) + 1 + len(measured) + _after_tracing(segments, measured, repeats, max_error), progress
+    )
     user_step = step
 
     def step() -> Any:
@@ -392,35 +404,81 @@ def measure(
         bar.update()
         return result
 
+    # Candidates the probe shows to be wrong or the same as another here. Left out with a warning when the
+    # user named them, silently (listed in table()) when they are defaults: a batch slice needs segments that
+    # take nothing else batched, and the kept attention needs attention.
+    refused: dict[str, str] = {}
     try:
-        mixing = samples_mixed(segments, step, device, parsed)
-        if mixing:
-            measured = [c for c in measured if c.batch_slices == 1]
-        by_policy, failed = measure_candidates(model, segments, step, measured, device, repeats)
-        for candidate in parsed:
-            if candidate.batch_slices in mixing:
-                failed[candidate.name] = mixing[candidate.batch_slices]
-                warnings.warn(
-                    f"fastckpt.plan: candidate {candidate.name!r} left out: {failed[candidate.name]}", stacklevel=2
-                )
+        if probing:
+            probed = probe(segments, step, watched)
+            slicing = samples_mixed(segments, probed, device, parsed)
+            for candidate in parsed:
+                within = candidate.selective.within if candidate.selective is not None else None
+                if candidate.batch_slices in slicing:
+                    refused[candidate.name] = slicing[candidate.batch_slices]
+                elif within and not within & probed.called:
+                    functions = ", ".join(sorted(f"torch.nn.functional.{f.__name__}" for f in within))
+                    refused[candidate.name] = (
+                        f"no segment calls {functions}, so it keeps nothing: it runs as its policy '{candidate.policy}'"
+                    )
+            measured = [c for c in measured if c.name not in refused]
+            _recount(bar, 1 + len(measured) + _after_tracing(segments, measured, repeats, max_error))
+        quiet = {c.name for c in parsed if c.batch_slices > 1} if candidates is None else set()
+        by_policy, failed = measure_candidates(
+            model,
+            segments,
+            step,
+            measured,
+            device,
+            repeats,
+            quiet=quiet,
+            traced=lambda ran: _recount(bar, _after_tracing(segments, ran, repeats, max_error)),
+        )
         if max_error is not None:
             ran = [c for c in measured if c.name in by_policy]
             for name, error in gradient_errors(model, segments, step, ran, device).items():
                 by_policy[name].grad_error = error
     finally:
         bar.close()
+    skipped = {name: failed.pop(name) for name in quiet if name in failed}
+    for name, why in refused.items():
+        if candidates is None:
+            skipped[name] = why
+        else:
+            failed[name] = why
+            warnings.warn(f"fastckpt.plan: candidate {name!r} left out: {why}", stacklevel=2)
     return Measurements(
-        model, segments, names, by_policy, max_error, failed, parsed=measured, step=user_step, resident=resident
+        model,
+        segments,
+        names,
+        by_policy,
+        max_error,
+        failed,
+        parsed=measured,
+        step=user_step,
+        resident=resident,
+        skipped=skipped,
     )
 
 
-def _progress_bar(candidates: list[Candidate], repeats: int, max_error: float | None, enabled: bool) -> Any:
-    """tqdm over the step() runs measure() makes (the count plan()'s docstring gives); silent when not enabled
-    or when stderr is not a terminal (tqdm's disable=None)."""
+def _after_tracing(segments: list[Segment], ran: list[Candidate], repeats: int, max_error: float | None) -> int:
+    """The step() runs measure() makes after the traced ones (plan()'s docstring gives the whole count)."""
+    count = len(timing_rounds(segments, ran, repeats))
+    if max_error is not None:
+        # the reference (no checkpoint) and each candidate but 'none', plus each slice count's own reference
+        count += 1 + sum(c.name != NONE for c in ran) + len({c.batch_slices for c in ran if c.batch_slices > 1})
+    return count
+
+
+def _recount(bar: Any, remaining: int) -> None:
+    """The progress bar's total once the runs still to come are known (a probe or a failure drops some)."""
+    bar.total = bar.n + remaining
+    bar.refresh()
+
+
+def _progress_bar(total: int, enabled: bool) -> Any:
+    """tqdm over `total` step() runs; silent when not enabled or when stderr is not a terminal (tqdm's
+    disable=None)."""
     from tqdm.auto import tqdm
 
-    slices = {c.batch_slices for c in candidates if c.batch_slices > 1}
-    total = 1 + len(candidates) * (1 + repeats) + (1 if slices else 0)
-    if max_error is not None:
-        total += 1 + len(candidates) + len(slices)
     return tqdm(total=total, desc="fastckpt.plan: measuring", unit="step", disable=None if enabled else True)
