@@ -354,8 +354,8 @@ def plan(
     exceeds it (a NaN or inf error does) or ValueError if the reference's gradients are not finite: the
     largest relative L2 error of a parameter's gradient against no checkpointing (a batch slice: against the
     same slices kept exactly, which draw random ops in the same order), measured with every segment under the
-    candidate and the same RNG seed (a bound per candidate; a mix of candidates within it measured within it too in our runs, but
-    that is not guaranteed). `repeats`: timed samples of each candidate on each kind of segment (identical
+    candidate and the same RNG seed (a bound per candidate; a mix of candidates within it measured within it
+    too in our runs, but that is not guaranteed). `repeats`: timed samples of each candidate on each kind of segment (identical
     blocks are one kind); the timed runs mix the candidates, one per segment. Runs step() 1 + n + r times (n:
     the candidates, 'recompute' among them; r = ceil(repeats x n / k), k the segments of the smallest kind:
     one traced run per candidate, r timed runs), plus, with max_error, one per candidate but 'none' and one
