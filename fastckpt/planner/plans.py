@@ -331,39 +331,37 @@ def plan(
 ) -> Plan:
     """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
 
-    `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate above
-    what is live before it, "N%" of stock checkpointing's peak, or the device's total ("20GiB", "1.5GB": what
-    is live before the step, i.e. parameters, buffers, gradients, the state of `optimizer` when given, on CUDA
-    everything allocated, plus the step's peak); the segments are the submodules `check_fn`
-    selects (default: the children of the largest nn.ModuleList/nn.Sequential of identical blocks); `candidates`
-    are policy strings, 'none', 'selective:<spec>' (fastckpt.hybrid.selective: the outputs of matmuls and
-    attention kept through <spec>'s codec, the rest recomputed, the inputs stored as <spec> says:
-    'selective:int8', 'selective:recompute:int8+int8'), 'selective-attention:<spec>' (the same keeping only the
-    fused attention's outputs and dropout's masks, hybrid.keep_attention) or 'batch<N>:<policy or selective
-    candidate>' (fastckpt.tiled(segment, N, dim=0, ...): the segment's batch in N slices, each checkpointed, so
-    its backward holds one slice's activations; for segments that treat every sample alone, which the planner
-    checks: batch candidates are left out, with a warning, when changing the other samples moves a slice's
-    output or the batch has fewer samples than slices) (default: DEFAULT_CANDIDATES, the whole-segment
-    policies, the fused attention kept and batches in two slices; 'selective:...' is not among them, on CPU
-    'selective:int8' measured slower and larger than 'int8'; defaults the model cannot use are left out
-    without a warning and listed in Measurements.table(): kept-attention ones where no segment calls
-    F.scaled_dot_product_attention or F.dropout, batch slices the checks refuse or that fail on the model,
-    a segment taking other batched inputs). A candidate whose step raises on the model, or gives NaN/inf
-    parameter gradients where the plain step's are finite, is left out with a warning (the reference
-    'recompute': the error is raised). `max_error`, when given, leaves out the candidates whose gradient error
-    exceeds it (a NaN or inf error does) or ValueError if the reference's gradients are not finite: the
-    largest relative L2 error of a parameter's gradient against no checkpointing (a batch slice: against the
-    same slices kept exactly, which draw random ops in the same order), measured with every segment under the
-    candidate and the same RNG seed (a bound per candidate; a mix of candidates within it measured within it
-    too in our runs, but that is not guaranteed). `repeats`: timed samples of each candidate on each kind of segment (identical
-    blocks are one kind); the timed runs mix the candidates, one per segment. Runs step() 1 + n + r times (n:
-    the candidates, 'recompute' among them; r = ceil(repeats x n / k), k the segments of the smallest kind:
-    one traced run per candidate, r timed runs), plus, with max_error, one per candidate but 'none' and one
-    for the reference; batch or kept-attention candidates add one step (the probe) and, with max_error, one
-    per slice count (their reference). ValueError if no assignment fits, naming the smallest budget.
-    `verify` (default True) runs the chosen plan once and plans again while it measures over the budget
-    (Measurements.plan). `progress` shows a progress bar with the remaining time while it measures (tqdm,
-    on a terminal only).
+    `step()` runs one forward and backward of the training step; `budget` is bytes the step may allocate above what
+    is live before it, "N%" of stock checkpointing's peak, or the device's total ("20GiB", "1.5GB": what is live
+    before the step, i.e. parameters, buffers, gradients, the state of `optimizer` when given, on CUDA everything
+    allocated, plus the step's peak); the segments are the submodules `check_fn` selects (default: the children of
+    the largest nn.ModuleList/nn.Sequential of identical blocks); `candidates` are policy strings, 'none',
+    'selective:<spec>' (fastckpt.hybrid.selective: the outputs of matmuls and attention kept through <spec>'s codec,
+    the rest recomputed, the inputs stored as <spec> says: 'selective:int8', 'selective:recompute:int8+int8'),
+    'selective-attention:<spec>' (the same keeping only the fused attention's outputs and dropout's masks,
+    hybrid.keep_attention) or 'batch<N>:<policy or selective candidate>' (fastckpt.tiled(segment, N, dim=0, ...):
+    the segment's batch in N slices, each checkpointed, so its backward holds one slice's activations; for segments
+    that treat every sample alone, which the planner checks: batch candidates are left out, with a warning, when
+    changing the other samples moves a slice's output or the batch has fewer samples than slices) (default:
+    DEFAULT_CANDIDATES, the whole-segment policies, the fused attention kept and batches in two slices;
+    'selective:...' is not among them, on CPU 'selective:int8' measured slower and larger than 'int8'; defaults the
+    model cannot use are left out without a warning and listed in Measurements.table(): kept-attention ones where no
+    segment calls F.scaled_dot_product_attention or F.dropout, batch slices the checks refuse or that fail on the
+    model, a segment taking other batched inputs). A candidate whose step raises on the model, or gives NaN/inf
+    parameter gradients where the plain step's are finite, is left out with a warning (the reference 'recompute':
+    the error is raised). `max_error`, when given, leaves out the candidates whose gradient error exceeds it (a NaN
+    or inf error does) or ValueError if the reference's gradients are not finite: the largest relative L2 error of a
+    parameter's gradient against no checkpointing (a batch slice: against the same slices kept exactly, which draw
+    random ops in the same order), measured with every segment under the candidate and the same RNG seed (a bound
+    per candidate; a mix of candidates within it measured within it too in our runs, but that is not guaranteed).
+    `repeats`: timed samples of each candidate on each kind of segment (identical blocks are one kind); the timed
+    runs mix the candidates, one per segment. Runs step() 1 + n + r times (n: the candidates, 'recompute' among
+    them; r = ceil(repeats x n / k), k the segments of the smallest kind: one traced run per candidate, r timed
+    runs), plus, with max_error, one per candidate but 'none' and one for the reference; batch or kept-attention
+    candidates add one step (the probe) and, with max_error, one per slice count (their reference). ValueError if no
+    assignment fits, naming the smallest budget. `verify` (default True) runs the chosen plan once and plans again
+    while it measures over the budget (Measurements.plan). `progress` shows a progress bar with the remaining time
+    while it measures (tqdm, on a terminal only).
     """
     check_budget(budget)
     if not isinstance(verify, bool):
