@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastckpt.planner import DEFAULT_CANDIDATES, POLICY_CANDIDATES, measure
+from fastckpt.planner import DEFAULT_CANDIDATES, POLICY_CANDIDATES, Segment, measure
+from fastckpt.planner.checks import probe
 from tests.test_planner import Block, RefusingBlock, make
 
 
@@ -145,3 +146,32 @@ def test_default_batch_slices_that_fail_on_the_model_are_left_out_silently(monke
     (bar,) = bars
     assert bar.n == bar.total  # the count follows what the probe and the failures left to run
     assert all(isinstance(b, Block) for b in model.blocks)
+
+
+class MultiheadBlock(nn.Module):
+    """Attention through nn.MultiheadAttention: F.multi_head_attention_forward calls the fused kernel inside."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(dim)
+        self.attn = nn.MultiheadAttention(dim, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln(x)
+        return x + self.attn(h, h, h, need_weights=False)[0]
+
+
+def test_the_probe_sees_attention_called_inside_other_functional_code():
+    torch.manual_seed(0)
+    blocks = nn.Sequential(MultiheadBlock(), MultiheadBlock())
+    x = torch.randn(2, 64, 32)
+    segments = [Segment(str(i), blocks, str(i), b) for i, b in enumerate(blocks)]
+    watched = frozenset({F.scaled_dot_product_attention, F.dropout})
+    probed = probe(segments, lambda: blocks(x).sum().backward(), watched)
+    assert F.scaled_dot_product_attention in probed.called and set(probed.inputs) == {0, 1}
+    # outside a segment it does not count
+    assert not probe(segments[:0], lambda: blocks(x).sum().backward(), watched).called
+    measurements = measure(
+        blocks, lambda: blocks(x).sum().backward(), candidates=["recompute", "selective-attention:int8"], repeats=1
+    )
+    assert measurements.candidates == ["recompute", "selective-attention:int8"]

@@ -19,6 +19,7 @@ forward), and each is dropped once taken.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -135,25 +136,27 @@ class _KeepInside(TorchDispatchMode):
         return out
 
 
-class _WatchCalls(TorchFunctionMode):
-    """Active over the whole segment: runs the watched functions' calls under `inside`."""
+class WatchCalls(TorchFunctionMode):
+    """Active over a region: runs each call of the watched Python-level torch functions under `around(func)` (a
+    context manager), those made inside other torch.nn.functional code too (F.multi_head_attention_forward
+    calls F.scaled_dot_product_attention). A torch that cannot re-enter such code past this mode runs it
+    whole under `around(None)`: it may call a watched function."""
 
-    def __init__(self, functions: frozenset, inside: _KeepInside) -> None:
+    def __init__(self, functions: frozenset, around: Callable[[Any], contextlib.AbstractContextManager]) -> None:
         super().__init__()
         self.functions = functions
-        self.inside = inside
+        self.around = around
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in self.functions:
-            with self.inside:
+            with self.around(func):
                 return func(*args, **kwargs)
         if getattr(func, "__module__", None) == "torch.nn.functional":  # Python code that may call a watched one
-            # Re-entered past this mode, so that the calls inside it are seen too; a torch without a way to do
-            # that runs such functions whole under the dispatch mode instead: the same ops kept, more cost.
+            # Re-entered past this mode, so that the calls inside it are seen too.
             redispatch = _compat.torch_function_redispatch()
             if redispatch is None:
-                with self.inside:
+                with self.around(None):
                     return func(*args, **kwargs)
             with self:
                 return redispatch(func, types, args, kwargs)
@@ -166,7 +169,10 @@ class _Context:
     def __init__(self, kept: KeptOutputs, functions: frozenset, is_kept: Callable[[Any], bool], recompute: bool):
         self.kept = kept
         self.recompute = recompute
-        self._mode = _WatchCalls(functions, _KeepInside(kept, is_kept, recompute))
+        inside = _KeepInside(kept, is_kept, recompute)
+        # without a re-entry (around(None)) the function runs whole under the dispatch mode: the same ops kept,
+        # more cost
+        self._mode = WatchCalls(functions, lambda func: inside)
 
     def __enter__(self) -> _Context:
         if self.recompute:

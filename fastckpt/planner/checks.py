@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from fastckpt.engine.kept_ops import WatchCalls
 from fastckpt.planner.candidates import Candidate
 from fastckpt.planner.segments import Segment
 
@@ -87,11 +87,10 @@ def probe(segments: list[Segment], step: Callable[[], Any], watched: frozenset =
     def leaving(module: nn.Module, args: tuple, output: Any) -> None:
         inside[0] -= 1
 
-    class Watch(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            if inside[0] and func in watched:
-                called.add(func)
-            return func(*args, **(kwargs or {}))
+    def around(func: Any) -> contextlib.AbstractContextManager:
+        if inside[0]:
+            called.update(watched if func is None else (func,))  # None: it may have called any of them
+        return contextlib.nullcontext()
 
     handles = []
     for i, segment in enumerate(segments):
@@ -102,7 +101,7 @@ def probe(segments: list[Segment], step: Callable[[], Any], watched: frozenset =
         )
         handles.append(segment.module.register_forward_hook(leaving))
     try:
-        with Watch() if watched else contextlib.nullcontext():
+        with WatchCalls(watched, around) if watched else contextlib.nullcontext():
             step()
     finally:
         for handle in handles:
