@@ -473,19 +473,25 @@ def measure_candidates(
     return result, failed
 
 
+def _kinds(segments: list[Segment]) -> list[list[int]]:
+    """The segments grouped by kind (the same block: signature), as index lists in model order."""
+    kinds: dict[tuple, list[int]] = {}
+    for i, segment in enumerate(segments):
+        kinds.setdefault(signature(segment.module), []).append(i)
+    return list(kinds.values())
+
+
 def timing_rounds(segments: list[Segment], candidates: list[Candidate], repeats: int) -> list[list[Candidate]]:
     """The assignments of the timed runs: in each kind of segment (the same block: signature), its segments take
     the candidates in turn, so that each candidate runs on at least `repeats` segments of every kind. Segments
     that are the same block cost the same (a candidate's time is a property of the block), so a run times as
     many candidates as a kind has segments: ceil(repeats x candidates / segments of the smallest kind) runs
     instead of repeats x candidates, and a candidate's samples come from several runs and positions."""
-    kinds: dict[tuple, list[int]] = {}
-    for i, segment in enumerate(segments):
-        kinds.setdefault(signature(segment.module), []).append(i)
+    kinds = _kinds(segments)
     m = len(candidates)
-    count = max(math.ceil(repeats * m / len(members)) for members in kinds.values())
+    count = max(math.ceil(repeats * m / len(members)) for members in kinds)
     rounds = [[candidates[0]] * len(segments) for _ in range(count)]
-    for members in kinds.values():
+    for members in kinds:
         for r in range(count):
             for j, i in enumerate(members):
                 rounds[r][i] = candidates[(r * len(members) + j) % m]
@@ -507,13 +513,11 @@ def segment_seconds(
     for assignment, run in zip(assignments, runs, strict=True):
         for i, name in enumerate(assignment):
             fastest[name, i] = min(run[i], fastest.get((name, i), math.inf))
-    kinds: dict[tuple, list[int]] = {}
-    for i, segment in enumerate(segments):
-        kinds.setdefault(signature(segment.module), []).append(i)
+    kinds = _kinds(segments)
     result: dict[str, list[float]] = {}
     for name in dict.fromkeys(name for assignment in assignments for name in assignment):
         seconds = [math.nan] * len(segments)
-        for members in kinds.values():
+        for members in kinds:
             timed = [fastest[name, i] for i in members if (name, i) in fastest]
             typical = statistics.median(timed) if timed else math.nan
             for i in members:
