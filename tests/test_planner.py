@@ -208,8 +208,9 @@ def test_smallest_plan_is_the_smallest_predicted_assignment_with_its_measured_bu
     assert verified.budget == max(verified.predicted_peak, verified.measured_peak) and not verified.applied
 
 
-@pytest.mark.parametrize("max_error", [None, 0.5])
-def test_progress_bar_counts_every_step_run(max_error, monkeypatch, capsys):
+def recorded_bars(monkeypatch) -> list:
+    """The progress bars measure() makes from here on, as recorders of their totals and updates (tqdm's
+    interface as measure() uses it)."""
     import tqdm.auto
 
     bars = []
@@ -228,10 +229,16 @@ def test_progress_bar_counts_every_step_run(max_error, monkeypatch, capsys):
         def close(self):
             self.closed = True
 
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    return bars
+
+
+@pytest.mark.parametrize("max_error", [None, 0.5])
+def test_progress_bar_counts_every_step_run(max_error, monkeypatch, capsys):
     model, step = make(layers=2)
     measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=max_error)
     assert capsys.readouterr().err == ""  # the real bar: silent when stderr is not a terminal
-    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    bars = recorded_bars(monkeypatch)
     measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=max_error)
     measure(model, step, candidates=["recompute", "int8"], repeats=1, progress=False)
     (shown, hidden) = bars

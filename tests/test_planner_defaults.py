@@ -12,7 +12,7 @@ from torch import nn
 
 from fastckpt.planner import DEFAULT_CANDIDATES, POLICY_CANDIDATES, Segment, measure
 from fastckpt.planner.checks import probe
-from tests.test_planner import Block, RefusingBlock, make
+from tests.test_planner import Block, RefusingBlock, make, recorded_bars
 
 
 class AttentionBlock(nn.Module):
@@ -57,13 +57,6 @@ def attention_model(batch: int = 2):
     return model, step
 
 
-def no_warnings():
-    caught = warnings.catch_warnings()
-    caught.__enter__()
-    warnings.simplefilter("error")
-    return caught
-
-
 def test_default_candidates_reach_below_the_whole_segment_policies():
     model, step = attention_model()
     defaults = measure(model, step, repeats=1, progress=False)
@@ -85,11 +78,9 @@ def test_defaults_that_keep_nothing_or_cannot_slice_are_left_out_silently():
         model(x).pow(2).mean().backward()
         model.zero_grad(set_to_none=True)
 
-    caught = no_warnings()
-    try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults left out are not warned about
         measurements = measure(model, step, repeats=1, progress=False)
-    finally:
-        caught.__exit__(None, None, None)
     assert measurements.candidates == list(POLICY_CANDIDATES) and not measurements.failed
     assert set(measurements.skipped) == set(DEFAULT_CANDIDATES) - set(POLICY_CANDIDATES)
     assert "takes a batch of 1, which cannot be cut in 2 slices" in measurements.skipped["batch2:int8"]
@@ -113,33 +104,13 @@ def test_named_candidates_the_checks_refuse_are_left_out_with_a_warning():
 
 
 def test_default_batch_slices_that_fail_on_the_model_are_left_out_silently(monkeypatch):
-    import tqdm.auto
-
-    bars = []
-
-    class Recorder:
-        def __init__(self, total, disable, **kwargs):
-            self.total, self.n = total, 0
-            bars.append(self)
-
-        def update(self, n=1):
-            self.n += n
-
-        def refresh(self):
-            pass
-
-        def close(self):
-            pass
-
-    monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
+    bars = recorded_bars(monkeypatch)
     model, step = make(layers=3)
     for i in range(3):  # as a block whose other inputs carry the whole batch (a padding mask) fails on a slice
         model.blocks[i] = RefusingBlock(lambda x: x.shape[0] != 4, "this block needs the whole batch")
-    caught = no_warnings()
-    try:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults that failed are not warned about
         measurements = measure(model, step, repeats=1, max_error=1.0)
-    finally:
-        caught.__exit__(None, None, None)
     batch = [name for name in DEFAULT_CANDIDATES if name.startswith("batch")]
     assert set(batch) <= set(measurements.skipped) and not measurements.failed
     assert "RuntimeError: this block needs the whole batch" in measurements.skipped["batch2:int8"]

@@ -399,11 +399,11 @@ def measure_candidates(
     repeats: int,
     *,
     quiet: set[str] = frozenset(),
-    traced: Callable[[list[Candidate]], None] | None = None,
+    on_traced: Callable[[list[Candidate]], None] | None = None,
 ) -> tuple[dict[str, CandidateMeasurement], dict[str, str]]:
     """Every candidate that runs on this model measured, and the error of each that raised or gave NaN/inf
     gradients where the plain step did not (left out with a warning unless its name is in `quiet`; the
-    reference, measured first, must run: its errors are the model's or the step's). `traced` is called with
+    reference, measured first, must run: its errors are the model's or the step's). `on_traced` is called with
     the candidates that ran once their traced runs are done (before the timed ones)."""
     with NonFinite(model, segments) as plain:
         step()  # warm-up (the plain step): one-time allocations (gradients, optimizer state), lazy initialisation
@@ -430,8 +430,8 @@ def measure_candidates(
                     f"fastckpt.plan: candidate {name!r} failed on this model, left out ({failed[name]})", stacklevel=4
                 )
     ran = [candidate for candidate in candidates if candidate.name in memory]
-    if traced is not None:
-        traced(ran)
+    if on_traced is not None:
+        on_traced(ran)
     rounds = timing_rounds(segments, ran, repeats)
     runs = [_timed_run(segments, step, assignment, device) for assignment in rounds]
     seconds = segment_seconds(segments, [[c.name for c in assignment] for assignment in rounds], runs)

@@ -436,7 +436,7 @@ def measure(
             device,
             repeats,
             quiet=quiet,
-            traced=lambda ran: _recount(bar, _after_tracing(segments, ran, repeats, max_error)),
+            on_traced=lambda ran: _recount(bar, _after_tracing(segments, ran, repeats, max_error)),
         )
         if max_error is not None:
             ran = [c for c in measured if c.name in by_policy]
