@@ -31,7 +31,8 @@ from fastckpt.planner import (
 )
 from fastckpt.planner.checks import probe, samples_mixed
 from fastckpt.planner.measurement import segment_seconds, timing_rounds
-from fastckpt.planner.model import fastest_within, predicted_peak, smallest_peak
+from fastckpt.planner.model import TailOption, fastest_within, predicted_peak, smallest_peak
+from fastckpt.planner.segments import find_segments
 from fastckpt.storage import codecs
 from fastckpt.tiling import TiledWrapper
 from tests.helpers import needs_sac_hooks
@@ -585,6 +586,43 @@ def test_solver_matches_brute_force(seed):
             continue
         assert chosen is not None and predicted_peak(measurements, chosen) <= budget
         assert seconds(chosen) == pytest.approx(min(seconds(a) for a in feasible), abs=1e-12)
+
+
+def test_tail_options_are_chosen_with_the_segments():
+    # A loss head's chunk size (a TailOption) moves only the tail level and the time: plan() picks the
+    # (assignment, tail) pair a brute force over both finds, and applying the plan puts the tail in place.
+    names, n, unit = ["int8", "int4", "recompute"], 4, 4099
+    by_policy = synthetic(n, names, seed=3, unit=unit)
+    for m in by_policy.values():  # the loss and head about as large as a segment's levels
+        m.tail_level += 60 * unit
+    calls: list[str] = []
+    tails = [
+        TailOption(name, extra * unit, seconds, lambda name=name: calls.append(name), lambda: calls.append("removed"))
+        for name, extra, seconds in (("small", -15, 0.9), ("as measured", 0, 0.0), ("large", 40, -0.8))
+    ]
+    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(n)])
+    measurements = Measurements(model, find_segments(model, None), names, by_policy)
+    measurements.tail_options = tails
+    pairs = [(list(a), t) for a in itertools.product(names, repeat=n) for t in tails]
+    peaks = [measurements.predict_peak(a, t) for a, t in pairs]
+    by_assignment: dict[tuple, set] = {}
+    for (a, _), peak in zip(pairs, peaks, strict=True):
+        by_assignment.setdefault(tuple(a), set()).add(peak)
+    assert any(len(p) == len(tails) for p in by_assignment.values())  # the tail can be the peak
+    assert measurements.smallest_feasible_budget() == min(peaks)
+    chosen_tails = set()
+    for budget in sorted(set(peaks))[:: max(1, len(set(peaks)) // 12)]:
+        plan = measurements.plan(budget, verify=False)
+        fitting = [pair for pair, peak in zip(pairs, peaks, strict=True) if peak <= budget]
+        best = min(measurements.predict_seconds(a, t) for a, t in fitting)
+        assert plan.predicted_peak <= budget and plan.predicted_seconds == pytest.approx(best, abs=1e-12)
+        assert plan.predicted_peak == measurements.predict_peak(plan.policies, plan.tail)
+        chosen_tails.add(plan.tail.name)
+    assert {"small", "large"} <= chosen_tails
+    plan.apply()
+    plan.remove()
+    assert calls == [plan.tail.name, "removed"]
+    assert plan.tail.name in plan.table() and "a choice of every plan" in measurements.table()
 
 
 def test_measurements_plan_every_budget_from_one_measurement(measured):

@@ -22,18 +22,23 @@ import dataclasses
 import functools
 import inspect
 import logging
+import statistics
+import time
 import types
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fastckpt.api import checkpoint
 from fastckpt.integrations import hf_attention
-from fastckpt.loss import linear_cross_entropy
+from fastckpt.loss import default_chunk_size, linear_cross_entropy
 from fastckpt.policies import Policy
+
+if TYPE_CHECKING:
+    from fastckpt.planner.model import TailOption
 
 _logger = logging.getLogger("fastckpt")
 
@@ -170,7 +175,7 @@ def enable(
     gradients it found and the RNG state are restored, so that step computes what it would have. Trainer:
     `gradient_checkpointing_kwargs={"budget": "40%"}` after `enable(model)`. `plan_options` go to `measure`
     (default max_error=PLAN_MAX_ERROR: the forms whose gradients differ from the plain step's by more are
-    left out).
+    left out). With `loss_head=True` the plan also chooses the loss head's tokens per chunk.
     """
     pretrained = _pretrained_model(model)
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
@@ -259,7 +264,8 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
     `zero_grad` leaves them. The segments are the layers HF checkpoints (its `GradientCheckpointingLayer`s);
     HF's own checkpointing of them is turned off here, since a plan checkpoints them itself (the loss head and
     padded attention of an earlier `enable` stay). `measure_kwargs` go to `fastckpt.planner.measure`
-    (candidates, repeats, max_error, progress).
+    (candidates, repeats, max_error, progress). With the loss head on, its tokens per chunk are a choice of
+    every plan too (`Measurements.tail_options`, `_LossHead.chunk_options`).
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -278,16 +284,22 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
     # No KV cache, as in training (HF turns it off under its checkpointing, which the plan replaces).
     inputs = {"use_cache": False, **batch} if _takes_use_cache(type(pretrained)) else dict(batch)
 
-    def step() -> None:
+    def forward() -> Any:
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-            loss = model(**inputs).loss
-        loss.backward()
+            return model(**inputs)
+
+    def step() -> None:
+        forward().loss.backward()
         model.zero_grad(set_to_none=True)
 
     if pretrained.is_activation_checkpointing:
         pretrained.activation_checkpointing_disable()
     check_fn = lambda m: isinstance(m, GradientCheckpointingLayer)  # noqa: E731
-    return planner.measure(model, step, check_fn, **measure_kwargs)
+    measurements = planner.measure(model, step, check_fn, **measure_kwargs)
+    if loss_head_enabled(pretrained):  # its chunk size is the plan's to choose too
+        repeats = measure_kwargs.get("repeats", inspect.signature(planner.measure).parameters["repeats"].default)
+        measurements.tail_options = _LossHead.chunk_options(pretrained, forward, autocast, repeats)
+    return measurements
 
 
 @functools.cache
@@ -536,6 +548,9 @@ class _LossHead:
 
     ON = "_fastckpt_loss_head"
     INNER = "_fastckpt_inner_forward"  # an instance-level forward found at install time (e.g. accelerate's)
+    CHUNK = "_fastckpt_loss_chunk"  # tokens per chunk a plan chose (absent: linear_cross_entropy's default)
+    RECORD = "_fastckpt_loss_record"  # while set (a list): each loss call's inputs are appended to it
+    CHUNK_FACTORS = (0.25, 0.5, 1, 2, 4, 8)  # the chunk sizes a plan may choose, times the default
     _forwards: dict[type, Callable[..., Any]] = {}
 
     @staticmethod
@@ -725,12 +740,87 @@ class _LossHead:
                 f"fastckpt.integrations.hf (loss_head): {hidden.shape[0]} positions have logits but there are "
                 f"{targets.numel()} labels (logits_to_keep keeps positions, the labels must match them)"
             )
-        return linear_cross_entropy(
-            hidden,
-            head.weight,
-            targets,
-            bias=head.bias,
-            ignore_index=ignore_index,
-            num_items_in_batch=num_items_in_batch,
-            **options,
-        )
+        options.update(ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, bias=head.bias)
+        record = model.__dict__.get(self.RECORD)
+        if record is not None:
+            record.append((hidden.detach(), hidden.requires_grad, targets, options))
+        return linear_cross_entropy(hidden, head.weight, targets, chunk_size=model.__dict__.get(self.CHUNK), **options)
+
+    @classmethod
+    def chunk_options(
+        cls, pretrained: torch.nn.Module, step_forward: Callable[[], Any], autocast: torch.dtype | None, repeats: int
+    ) -> list[TailOption]:
+        """The loss head's chunk sizes as a plan's tail options (hf.measure): one forward (`step_forward`) records
+        the head's inputs, then the head alone (forward and backward, under `autocast` as the step) runs at each
+        chunk size for its peak and median time (`repeats` timed runs, interleaved), relative to the chunk the
+        measured steps used."""
+        record = pretrained.__dict__[cls.RECORD] = []
+        try:
+            step_forward()
+        finally:
+            del pretrained.__dict__[cls.RECORD]
+        if len(record) != 1:
+            return []  # no loss through the head (or several): nothing to choose
+        hidden, needs_grad, targets, options = record[0]
+        weight = pretrained.lm_head.weight
+        trained = [p for p in (weight, options["bias"]) if p is not None and p.requires_grad]
+
+        def run(chunk: int) -> None:
+            with torch.autocast(hidden.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+                loss = linear_cross_entropy(
+                    hidden.detach().requires_grad_(needs_grad), weight, targets, chunk_size=chunk, **options
+                )
+            if loss.requires_grad:
+                loss.backward()
+            for p in trained:
+                p.grad = None
+
+        from fastckpt.memory import peak_bytes
+        from fastckpt.planner.model import TailOption
+
+        tokens = hidden.shape[0]
+        measured = pretrained.__dict__.get(cls.CHUNK) or default_chunk_size(*weight.shape, weight.requires_grad)
+        default = default_chunk_size(*weight.shape, weight.requires_grad)
+        chunks = sorted({min(tokens, max(1, round(default * f))) for f in cls.CHUNK_FACTORS} | {min(tokens, measured)})
+        grads = [(p, p.grad) for p in trained]
+        try:
+            peaks = {chunk: peak_bytes(functools.partial(run, chunk), hidden.device) for chunk in chunks}
+            samples: dict[int, list[float]] = {chunk: [] for chunk in chunks}
+            for _ in range(repeats):
+                for chunk in chunks:
+                    _synchronize(hidden.device)
+                    start = time.perf_counter()
+                    run(chunk)
+                    _synchronize(hidden.device)
+                    samples[chunk].append(time.perf_counter() - start)
+        finally:
+            for p, grad in grads:
+                p.grad = grad
+        seconds = {chunk: statistics.median(times) for chunk, times in samples.items()}
+        reference = min(tokens, measured)
+        before = pretrained.__dict__.get(cls.CHUNK)
+
+        def setter(chunk: int | None) -> Callable[[], None]:
+            def put() -> None:
+                if chunk is None:
+                    pretrained.__dict__.pop(cls.CHUNK, None)
+                else:
+                    pretrained.__dict__[cls.CHUNK] = chunk
+
+            return put
+
+        return [
+            TailOption(
+                f"loss head: {chunk} tokens per chunk",
+                peaks[chunk] - peaks[reference],
+                seconds[chunk] - seconds[reference],
+                apply=setter(chunk),
+                remove=setter(before),
+            )
+            for chunk in chunks
+        ]
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -28,12 +28,15 @@ without it; with it they are predicted to the byte on CPU):
   forward levels and the solver takes it off the backward levels.
 
 Predicted step time: the candidates' median time outside the segments, plus the chosen t_i.
+
+A TailOption (a loss head's chunk size) changes only what the loss and head reach: its bytes go to the T term,
+its seconds to the time.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass, field
 
 from fastckpt.planner import solver
@@ -77,35 +80,55 @@ class CandidateMeasurement:
 ByPolicy = dict[str, CandidateMeasurement]
 
 
-def predicted_peak(measurements: ByPolicy, policies: list[str]) -> int:
+@dataclass(frozen=True)
+class TailOption:
+    """A choice outside the segments that changes only the tail level (what the loss and head reach with every
+    segment's activations kept) and the step's time: a loss head's tokens per chunk. `extra_bytes` and
+    `extra_seconds` are relative to the measured step; `apply` puts the choice in place, `remove` undoes it."""
+
+    name: str
+    extra_bytes: int
+    extra_seconds: float
+    apply: Callable[[], None]
+    remove: Callable[[], None]
+
+
+def predicted_peak(measurements: ByPolicy, policies: list[str], tail: TailOption | None = None) -> int:
     """The peak model's prediction (bytes above what is live before step()) for one policy name per segment."""
-    options, base, floor, sizes = _options(measurements, [[p] for p in policies])
+    options, base, floor, sizes = _options(measurements, [[p] for p in policies], _tail_bytes(tail))
     return solver.peak(options, [0] * len(policies), base, floor, sizes)
 
 
-def predicted_seconds(measurements: ByPolicy, policies: list[str]) -> float:
+def predicted_seconds(measurements: ByPolicy, policies: list[str], tail: TailOption | None = None) -> float:
     """The time model's prediction for one policy name per segment."""
     outside = statistics.median(m.outside_seconds for m in measurements.values())
-    return outside + sum(measurements[p].segments[i].seconds for i, p in enumerate(policies))
+    extra = 0.0 if tail is None else tail.extra_seconds
+    return outside + extra + sum(measurements[p].segments[i].seconds for i, p in enumerate(policies))
 
 
-def fastest_within(measurements: ByPolicy, names: list[str], n: int, budget: int) -> list[str] | None:
+def fastest_within(
+    measurements: ByPolicy, names: list[str], n: int, budget: int, tail: TailOption | None = None
+) -> list[str] | None:
     """The assignment of `names` with the least predicted time whose predicted peak fits `budget` (None: none)."""
-    options, base, floor, sizes = _options(measurements, [names] * n)
+    options, base, floor, sizes = _options(measurements, [names] * n, _tail_bytes(tail))
     found = solver.fastest_within(options, budget, base, floor, sizes)
     return None if found is None else [names[j] for j in found]
 
 
-def smallest_peak(measurements: ByPolicy, names: list[str], n: int) -> list[str]:
+def smallest_peak(measurements: ByPolicy, names: list[str], n: int, tail: TailOption | None = None) -> list[str]:
     """The assignment of `names` with the smallest predicted peak."""
-    options, base, floor, sizes = _options(measurements, [names] * n)
+    options, base, floor, sizes = _options(measurements, [names] * n, _tail_bytes(tail))
     return [names[j] for j in solver.smallest_peak(options, base, floor, sizes)]
 
 
-def _option(m: CandidateMeasurement, i: int, last: bool, dropped: frozenset) -> solver.Option:
+def _tail_bytes(tail: TailOption | None) -> int:
+    return 0 if tail is None else tail.extra_bytes
+
+
+def _option(m: CandidateMeasurement, i: int, last: bool, dropped: frozenset, tail_bytes: int = 0) -> solver.Option:
     """Candidate m on segment i as the solver's option: its levels without what it shares (model docstring).
     `dropped`: the tensors some candidate's run freed between the forward and the backward (others freed in
-    the forward, when no segment holds them, are in the kept bytes)."""
+    the forward, when no segment holds them, are in the kept bytes); `tail_bytes`: a TailOption's."""
     cost = m.segments[i]
     made = sum(cost.shared[form] for form in cost.made)
     # Under m everywhere, the held tensors live in segment i's backward are those of the segments up to i.
@@ -120,21 +143,21 @@ def _option(m: CandidateMeasurement, i: int, last: bool, dropped: frozenset) -> 
         cost.seconds,
         transient=cost.transient,
         # the loss and head may run before the transient bytes are freed: the tail keeps them
-        tail=m.tail_level - held_bytes if last else None,
+        tail=m.tail_level - held_bytes + tail_bytes if last else None,
         shared=frozenset(("form", form) for form in cost.shared),
         held=frozenset(("held", name) for name in cost.held & dropped),
     )
 
 
 def _options(
-    measurements: ByPolicy, names: list[list[str]]
+    measurements: ByPolicy, names: list[list[str]], tail_bytes: int = 0
 ) -> tuple[list[list[solver.Option]], int, int, dict[Hashable, int]]:
     """The solver's options (names[i][j] on segment i), base (L0) and floor (pre, post): the largest any
     candidate showed (measure() gives every candidate the same), and the bytes of the shared forms and held
     tensors the options name (the same in every candidate's run)."""
     dropped = frozenset().union(*(m.dropped for m in measurements.values()))
     n = len(names)
-    options = [[_option(measurements[name], i, i == n - 1, dropped) for name in names[i]] for i in range(n)]
+    options = [[_option(measurements[name], i, i == n - 1, dropped, tail_bytes) for name in names[i]] for i in range(n)]
     base = max(m.start_live for m in measurements.values())
     floor = max(max(m.pre_peak, m.post_peak) for m in measurements.values())
     sizes: dict[Hashable, int] = {}

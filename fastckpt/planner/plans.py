@@ -15,7 +15,7 @@ from fastckpt.planner.budgets import Resident, check_budget, format_bytes, is_to
 from fastckpt.planner.candidates import NONE, REFERENCE, Candidate, parse_candidate, parse_candidates
 from fastckpt.planner.checks import probe, samples_mixed
 from fastckpt.planner.measurement import gradient_errors, measure_candidates, timing_rounds
-from fastckpt.planner.model import CandidateMeasurement
+from fastckpt.planner.model import CandidateMeasurement, TailOption
 from fastckpt.planner.segments import Segment, check_arguments, device_of, find_segments
 from fastckpt.policies import Policy
 
@@ -54,6 +54,9 @@ class Measurements:
         self.candidates = [c for c in ran if max_error is None or _within(by_policy[c].grad_error, max_error)]
         self.excluded = [c for c in ran if c not in self.candidates]
         self._parsed = {candidate.name: candidate for candidate in parsed}  # what measure() parsed, by name
+        # Choices outside the segments a plan also makes (TailOption: fastckpt.integrations.hf.measure gives a loss
+        # head's chunk sizes); empty: the tail as measured.
+        self.tail_options: list[TailOption] = []
 
     @property
     def reference_peak(self) -> int:
@@ -120,8 +123,14 @@ class Measurements:
         )
         if not self.candidates:
             raise ValueError(f"fastckpt.plan: no candidate is left to assign to the segments{excluded}")
-        policies = peak_model.fastest_within(self.by_policy, self.candidates, len(self.segments), target)
-        if policies is None:
+        best: tuple[float, list[str], TailOption | None] | None = None
+        for tail in self._tails():
+            policies = peak_model.fastest_within(self.by_policy, self.candidates, len(self.segments), target, tail)
+            if policies is not None:
+                seconds = peak_model.predicted_seconds(self.by_policy, policies, tail)
+                if best is None or seconds < best[0]:
+                    best = (seconds, policies, tail)
+        if best is None:
             smallest = self.smallest_feasible_budget()
             raise ValueError(
                 f"fastckpt.plan: no assignment of {self.candidates}{excluded} to the {len(self.segments)} segments "
@@ -129,13 +138,28 @@ class Measurements:
                 f"{smallest} bytes ({smallest / 2**20:.2f} MiB, {100 * smallest / self.reference_peak:.1f}% of "
                 f"stock checkpointing's peak){self._as_total(smallest, total)}"
             )
+        seconds, policies, tail = best
         return Plan(
             measurements=self,
             policies=policies,
             budget=limit,
-            predicted_peak=peak_model.predicted_peak(self.by_policy, policies),
-            predicted_seconds=peak_model.predicted_seconds(self.by_policy, policies),
+            predicted_peak=peak_model.predicted_peak(self.by_policy, policies, tail),
+            predicted_seconds=seconds,
+            tail=tail,
         )
+
+    def _tails(self) -> list[TailOption | None]:
+        """The tail choices a plan may make (None: the tail as measured)."""
+        return list(self.tail_options) or [None]
+
+    def _smallest(self) -> tuple[list[str], TailOption | None, int]:
+        """The assignment and tail choice of the smallest predicted peak, and that peak."""
+        found = []
+        for tail in self._tails():
+            policies = peak_model.smallest_peak(self.by_policy, self.candidates, len(self.segments), tail)
+            found.append((peak_model.predicted_peak(self.by_policy, policies, tail), policies, tail))
+        peak, policies, tail = min(found, key=lambda item: item[0])
+        return policies, tail, peak
 
     def _measure(self, plan: Plan) -> int:
         """The peak of one step with `plan` applied (then removed again)."""
@@ -179,9 +203,9 @@ class Measurements:
             raise ValueError("fastckpt.Measurements.smallest_plan: verify=True needs the step; pass verify=False")
         if not self.candidates:
             raise ValueError("fastckpt.plan: no candidate is left to assign to the segments")
-        policies = peak_model.smallest_peak(self.by_policy, self.candidates, len(self.segments))
-        predicted = peak_model.predicted_peak(self.by_policy, policies)
-        plan = Plan(self, policies, predicted, predicted, peak_model.predicted_seconds(self.by_policy, policies))
+        policies, tail, predicted = self._smallest()
+        seconds = peak_model.predicted_seconds(self.by_policy, policies, tail)
+        plan = Plan(self, policies, predicted, predicted, seconds, tail=tail)
         if verify:
             plan.measured_peak = self._measure(plan)
             plan.budget = max(predicted, plan.measured_peak)
@@ -189,16 +213,16 @@ class Measurements:
 
     def smallest_feasible_budget(self) -> int:
         """The smallest budget (bytes) some assignment of the candidates is predicted to fit."""
-        smallest = peak_model.smallest_peak(self.by_policy, self.candidates, len(self.segments))
-        return peak_model.predicted_peak(self.by_policy, smallest)
+        return self._smallest()[2]
 
-    def predict_peak(self, policies: Sequence[str]) -> int:
-        """The peak model's prediction (bytes above what is live before step()) for an assignment."""
-        return peak_model.predicted_peak(self.by_policy, self._check(policies))
+    def predict_peak(self, policies: Sequence[str], tail: TailOption | None = None) -> int:
+        """The peak model's prediction (bytes above what is live before step()) for an assignment (and one of
+        `tail_options`; None: the tail as measured)."""
+        return peak_model.predicted_peak(self.by_policy, self._check(policies), tail)
 
-    def predict_seconds(self, policies: Sequence[str]) -> float:
-        """The time model's prediction for an assignment."""
-        return peak_model.predicted_seconds(self.by_policy, self._check(policies))
+    def predict_seconds(self, policies: Sequence[str], tail: TailOption | None = None) -> float:
+        """The time model's prediction for an assignment (and a tail option, as predict_peak)."""
+        return peak_model.predicted_seconds(self.by_policy, self._check(policies), tail)
 
     def _check(self, policies: Sequence[str]) -> list[str]:
         policies = [parse_candidate(p).name for p in policies]
@@ -237,6 +261,7 @@ class Measurements:
             )
         lines += [f"{name}: failed on this model, left out: {error}" for name, error in self.failed.items()]
         lines += [f"{name}: not used on this model: {why}" for name, why in self.skipped.items()]
+        lines += [f"{_tail_line(tail)}, a choice of every plan" for tail in self.tail_options]
         return "\n".join(lines)
 
 
@@ -251,6 +276,7 @@ class Plan:
     predicted_seconds: float
     applied: bool = field(default=False)
     measured_peak: int | None = None  # the peak of one step with the plan applied, when plan() verified it
+    tail: TailOption | None = None  # the choice outside the segments (a loss head's chunk), None: as measured
 
     @property
     def model(self) -> nn.Module:
@@ -274,6 +300,8 @@ class Plan:
             runner = self.measurements._candidate(policy).wrap(segment.module)
             if runner is not segment.module:
                 setattr(segment.parent, segment.attribute, runner)
+        if self.tail is not None:
+            self.tail.apply()
         self.applied = True
         return self.model
 
@@ -283,6 +311,8 @@ class Plan:
             raise RuntimeError("fastckpt.Plan.remove: this plan is not applied")
         for segment in self.segments:
             setattr(segment.parent, segment.attribute, segment.module)
+        if self.tail is not None:
+            self.tail.remove()
         self.applied = False
         return self.model
 
@@ -297,6 +327,8 @@ class Plan:
                 f"{segment.name:<24}{policy:<{width}}{cost.kept_bytes / 2**20:>10.2f}"
                 f"{cost.backward_level / 2**20:>10.2f}{cost.seconds * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
             )
+        if self.tail is not None:
+            lines.append(_tail_line(self.tail))
         measured = "" if self.measured_peak is None else f", measured {self.measured_peak / 2**20:.2f} MiB"
         lines.append(
             f"predicted peak {self.predicted_peak / 2**20:.2f} MiB{measured} (budget {self.budget / 2**20:.2f} MiB, "
@@ -309,6 +341,11 @@ class Plan:
 def _within(error: float, max_error: float) -> bool:
     """A NaN or inf error is never within max_error (a comparison with NaN is False either way round)."""
     return math.isfinite(error) and error <= max_error
+
+
+def _tail_line(tail: TailOption) -> str:
+    change = f"{tail.extra_bytes / 2**20:+.2f} MiB, {tail.extra_seconds * 1e3:+.1f} ms"
+    return f"{tail.name}: {change} against the measured step"
 
 
 def _bits(bits: float) -> str:

@@ -125,3 +125,82 @@ def test_budget_arguments_are_named():
         model(input_ids=batch())
     with pytest.raises(ValueError, match="both `budget` and `policy`"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"budget": "50%", "policy": "int8"})
+
+
+def head_llama() -> torch.nn.Module:
+    """A Llama whose vocabulary is large next to its width: at 512 tokens the loss head's chunks decide the peak."""
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=2048,
+        max_position_embeddings=512,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=0,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def long_sample() -> dict[str, torch.Tensor]:
+    ids = torch.randint(1, 2048, (1, 512), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[:, 384:] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+
+def loss_of(model: torch.nn.Module) -> torch.Tensor:
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**long_sample(), use_cache=False).loss  # a planned layer recomputed must not cache twice
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def test_the_loss_head_chunk_is_a_plan_choice():
+    torch.manual_seed(0)
+    model = hf.enable(head_llama(), loss_head=True).train()
+    expected = loss_of(model)
+    measurements = hf.measure(model, long_sample(), autocast=torch.bfloat16, **FAST)
+    chunks = [int(tail.name.split()[2]) for tail in measurements.tail_options]
+    assert chunks == [64, 128, 256, 512]  # the default (256 at vocab 2048) / 4 ... x 2, capped at the 512 tokens
+    layers = ["recompute"] * 2
+    peaks = []
+    for tail, chunk in zip(measurements.tail_options, chunks, strict=True):
+        assert (tail.extra_bytes == 0) == (chunk == 256)
+        predicted = measurements.predict_peak(layers, tail)
+        plan = fastckpt.Plan(measurements, layers, predicted, predicted, 0.0, tail=tail)
+        plan.apply()
+        try:
+            assert model.__dict__["_fastckpt_loss_chunk"] == chunk
+            peaks.append(fastckpt.memory.peak_bytes(measurements.step))
+        finally:
+            plan.remove()
+        assert "_fastckpt_loss_chunk" not in model.__dict__
+        assert peaks[-1] == predicted  # exact on CPU
+    assert peaks[-1] > peaks[0]  # the largest chunk's logits are the step's peak
+    plan = measurements.plan(peaks[-1] - 1)
+    assert plan.tail is not None and int(plan.tail.name.split()[2]) < 512
+    assert plan.measured_peak <= peaks[-1] - 1 and plan.tail.name in plan.table()
+    plan.apply()
+    assert model.__dict__["_fastckpt_loss_chunk"] == int(plan.tail.name.split()[2])
+    torch.testing.assert_close(loss_of(model), expected, rtol=1e-3, atol=0)  # chunks change summation order only
+    plan.remove()
+    assert "_fastckpt_loss_chunk" not in model.__dict__
+
+
+def test_without_the_loss_head_there_is_no_tail_choice():
+    torch.manual_seed(0)
+    model = head_llama().train()
+    assert hf.measure(model, long_sample(), autocast=torch.bfloat16, **FAST).tail_options == []
+
+
+def test_a_budget_with_the_loss_head_plans_its_chunk_on_the_first_batch():
+    torch.manual_seed(0)
+    model = hf.enable(head_llama(), loss_head=True, budget="100%", plan_options=FAST).train()
+    loss_of(model)
+    plan = hf.planned(model)
+    assert plan is not None and plan.tail is not None
+    assert model.__dict__["_fastckpt_loss_chunk"] == int(plan.tail.name.split()[2])
