@@ -5,12 +5,13 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   reentrant, selective), torch's save_on_cpu and DeepSpeed's checkpoint, on the seed CNN, GPT-2-style
   stacks (short and 2048-token context) and a small Hugging Face Llama; a table, a CSV and a plot per
   workload in --out (default bench-results/<timestamp>/). Then the planner section: fastckpt.plan at
-  100/70/50/30% of stock checkpoint's peak on a long-context stack and the GPT-2 stack (its table goes to
-  results.md too). Then the compile section: torch.compile of the GPT-2 stack, plain, with torch's checkpoint
-  and with fastckpt's policies (fastckpt.compile). Then the llm section: the whole step of a bf16 Llama
-  fine-tune (LoRA and full) against HF gradient checkpointing, and the peak's scaling with length and depth.
-  --workloads picks some (of the workloads, 'planner', 'compile' and 'llm'), --smoke runs tiny shapes once
-  (checks that every row runs; its numbers mean nothing). --compare DIR prints every row's measured columns
+  100/70/50/30% of stock checkpoint's peak on a long-context stack (its table goes to results.md too;
+  'planner-all', not in the default run, adds that stack's sublayer and tiled segmentations and GPT-2).
+  Then the compile section: torch.compile of the GPT-2 stack, plain, with torch's checkpoint and with
+  fastckpt's policies (fastckpt.compile). Then the llm section: the whole step of a bf16 Llama fine-tune
+  (LoRA and full) against HF gradient checkpointing, and the peak's scaling with length and depth.
+  --workloads picks some (of the workloads, 'planner', 'planner-all', 'compile' and 'llm'), --smoke runs tiny
+  shapes once (checks that every row runs; its numbers mean nothing). --compare DIR prints every row's measured columns
   as new / old against an earlier results folder.
 llm: the llm section alone (as `python -m benchmarks.llm`).
 planner: the planner section alone (as `python -m benchmarks.planner`).
@@ -43,9 +44,11 @@ MODES = {
     "loss": "benchmarks.loss_head",
 }
 PLANNER = "planner"  # the planner section of the checkpoint benchmark, selectable like a workload
+PLANNER_ALL = "planner-all"  # the planner section with its variants (not in the default run: 3x as long)
 COMPILE = "compile"  # the torch.compile section, likewise
 LLM = "llm"  # the whole-step LLM section, likewise
-SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE, LLM)
+DEFAULT_SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE, LLM)
+SECTIONS = (*DEFAULT_SECTIONS, PLANNER_ALL)
 
 
 def _workload_list(text: str) -> list[str]:
@@ -115,8 +118,8 @@ def _run(args: argparse.Namespace) -> list[dict]:
         return module.main(device=args.device, out=args.out, quick=args.quick, smoke=args.smoke)
     if args.mode != "checkpoint":
         return module.main(device=args.device, out=args.out, quick=args.quick)
-    selected = args.workloads or list(SECTIONS)
-    workload_names = [name for name in selected if name not in (PLANNER, COMPILE, LLM)]
+    selected = args.workloads or list(DEFAULT_SECTIONS)
+    workload_names = [name for name in selected if name not in (PLANNER, PLANNER_ALL, COMPILE, LLM)]
     out = args.out or module.default_out()
     rows: list[dict] = []
     failed: SystemExit | None = None
@@ -125,11 +128,14 @@ def _run(args: argparse.Namespace) -> list[dict]:
             rows = module.main(device=args.device, out=out, quick=args.quick, selected=workload_names, smoke=args.smoke)
         except SystemExit as exit_status:  # failed rows: reported, and the planner section still runs
             failed = exit_status
-    if PLANNER in selected:
+    if PLANNER in selected or PLANNER_ALL in selected:
         planner = importlib.import_module(MODES[PLANNER])
         print(f"\n== {PLANNER}: fastckpt.plan at fractions of stock checkpoint's peak", flush=True)
         results_md = os.path.join(out, "results.md")
-        rows += planner.main(args.device, out, quick=args.quick, smoke=args.smoke, results_md=results_md)
+        variants = PLANNER_ALL in selected
+        rows += planner.main(
+            args.device, out, quick=args.quick, smoke=args.smoke, results_md=results_md, variants=variants
+        )
     if COMPILE in selected:
         compiled = importlib.import_module(MODES[COMPILE])
         print(f"\n== {COMPILE}: torch.compile on the GPT-2 stack", flush=True)

@@ -1,15 +1,17 @@
-"""`python -m benchmarks.planner [--device cpu|cuda] [--out DIR] [--quick]`: fastckpt.plan against stock checkpoint.
+"""`python -m benchmarks.planner [--device cpu|cuda] [--out DIR] [--quick] [--variants]`: fastckpt.plan against
+stock checkpoint.
 
-Also the last section of `python -m benchmarks` (`--workloads planner` runs it alone), which appends its
-table to that run's results.md.
+Also a section of `python -m benchmarks` (`--workloads planner` runs it alone, `--workloads planner-all` with
+the variants), which appends its table to that run's results.md.
 
-Two workloads: the long-context stack (8 pre-LN GPT-2-style blocks, hidden 128, 2 heads of 64, batch
-2 x 2048 tokens, attention through the fused SDPA kernel) and the GPT-2 stack of benchmarks/workloads.py
-('gpt2'). For each, the planner measures its candidates once (fastckpt.planner.measure, max_error=5e-2:
-candidates whose gradient error exceeds the target are left out; the default candidates, DEFAULT_CANDIDATES:
-the whole-segment policies, the fused attention's output kept int8, 'selective-attention:...', and batch
-slices 'batch2:<policy>'; GPT-2, whose batch is 4, also 'batch4:...'), then
-plans for budgets of 100%, 70%, 50% and 30% of stock torch.utils.checkpoint's peak measured here
+The workload: the long-context stack (8 pre-LN GPT-2-style blocks, hidden 128, 2 heads of 64, batch 2 x 2048
+tokens, attention through the fused SDPA kernel); with `variants` (about three times as long in all), also that
+stack planned per attention / MLP half ('long-context sublayers'), with its MLP halves tiled ('long-context
+tiled'), and the GPT-2 stack of benchmarks/workloads.py ('gpt2'). For each, the planner measures its
+candidates once (fastckpt.planner.measure, max_error=5e-2: candidates whose gradient error exceeds the target
+are left out; the default candidates, DEFAULT_CANDIDATES: the whole-segment policies, the fused attention's
+output kept int8, 'selective-attention:...', and batch slices 'batch2:<policy>'; GPT-2, whose batch is 4, also
+'batch4:...'), then plans for budgets of 100%, 70%, 50% and 30% of stock torch.utils.checkpoint's peak measured here
 (benchmarks.harness.peak_bytes). Each feasible plan is applied and measured like the baselines: peak
 (harness.peak_bytes), median step time in interleaved rounds (harness.median_times), gradient error
 against plain training from the same seed (largest relative L2 over the parameters, and over all
@@ -400,18 +402,21 @@ def main(
     quick: bool = False,
     smoke: bool = False,
     results_md: str | None = None,
+    variants: bool = False,
 ) -> list[dict]:
-    """Plan and measure both workloads at every budget; print the tables, write CSV to `out` and append the
-    table to the Markdown file `results_md` (created if missing) when given."""
+    """Plan and measure the workloads (with `variants`, the long-context stack's other two segmentations too) at
+    every budget; print the tables, write CSV to `out` and append the table to the Markdown file `results_md`
+    (created if missing) when given."""
     dev = torch.device(device)
     size = "smoke" if smoke else "quick" if quick else "full"
     shape = LONG_CONTEXT[size]
-    chosen = [
-        (long_context(shape), None, CANDIDATES),
-        (long_context(shape, True), is_sublayer, CANDIDATES),
-        (long_context(shape, tiled=True), is_attention_half, CANDIDATES),
-        (workloads(dev, size)["gpt2"], None, GPT2_CANDIDATES),
-    ]
+    chosen = [(long_context(shape), None, CANDIDATES)]
+    if variants:
+        chosen += [
+            (long_context(shape, True), is_sublayer, CANDIDATES),
+            (long_context(shape, tiled=True), is_attention_half, CANDIDATES),
+            (workloads(dev, size)["gpt2"], None, GPT2_CANDIDATES),
+        ]
     repeats, rounds = RUNS[size]
     threads = torch.get_num_threads() if dev.type == "cpu" else None
     print(f"fastckpt {fastckpt.__version__} planner, torch {torch.__version__} on {device}", end="")
@@ -421,8 +426,10 @@ def main(
     print("budgets are fractions of stock torch.utils.checkpoint's measured peak")
     every = []
     for workload, check_fn, candidates in chosen:
+        start = time.perf_counter()
         rows, measurements = run_workload(workload, dev, candidates and list(candidates), repeats, rounds, check_fn)
         _print(workload, rows, measurements, rows[0]["measure_s"])
+        print(f"({workload.name}: {time.perf_counter() - start:.0f} s in all)")
         for line in _targets(rows):
             print(f"  target {line}")
         every += rows
@@ -444,6 +451,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default=None, help="folder for planner_<device>.csv")
     parser.add_argument("--quick", action="store_true", help="smaller long-context stack, fewer runs")
+    parser.add_argument("--variants", action="store_true", help="also the sublayer and tiled stacks and GPT-2")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
@@ -452,4 +460,4 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 if __name__ == "__main__":
     arguments = parse_args()
-    main(arguments.device, arguments.out, arguments.quick)
+    main(arguments.device, arguments.out, arguments.quick, variants=arguments.variants)

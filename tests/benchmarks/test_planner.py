@@ -45,7 +45,7 @@ def test_sublayer_segments_are_each_blocks_attention_and_mlp():
 
 
 def test_planner_section_of_python_m_benchmarks(tmp_path, capsys):
-    rows = bench_main(["--smoke", "--workloads", "planner", "--out", str(tmp_path)])
+    rows = bench_main(["--smoke", "--workloads", "planner-all", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert [(r["workload"], r["config"]) for r in rows] == [
         (workload, config)
@@ -72,5 +72,29 @@ def test_planner_section_follows_the_workloads_in_results_md(tmp_path, monkeypat
     calls: list = []
     bench_main(["--smoke", "--workloads", "gpt2,planner", "--out", str(tmp_path)])
     ((args, kwargs),) = calls
-    assert kwargs == {"quick": False, "smoke": True, "results_md": str(tmp_path / "results.md")}
+    assert kwargs == {"quick": False, "smoke": True, "results_md": str(tmp_path / "results.md"), "variants": False}
     assert (tmp_path / "results.md").read_text().startswith("# fastckpt benchmark")  # written before the planner
+    calls.clear()
+    bench_main(["--smoke", "--workloads", "planner-all", "--out", str(tmp_path / "all")])
+    ((args, kwargs),) = calls
+    assert kwargs["variants"] is True  # the sublayer and tiled stacks only when asked for
+
+
+def test_the_default_planner_section_plans_the_long_context_stack(monkeypatch):
+    ran = []
+    monkeypatch.setattr(bench, "_print", lambda *args: None)
+    monkeypatch.setattr(bench, "_targets", lambda rows: [])
+    monkeypatch.setattr(bench, "run_workload", _recording(ran))
+    bench.main(smoke=True)
+    assert ran == ["long-context"]
+    ran.clear()
+    bench.main(smoke=True, variants=True)
+    assert ran == ["long-context", "long-context sublayers", "long-context tiled", "gpt2"]
+
+
+def _recording(ran: list) -> object:
+    def run_workload(workload, *args, **kwargs):
+        ran.append(workload.name)
+        return [{"measure_s": 0.0}], None
+
+    return run_workload
