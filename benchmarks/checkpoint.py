@@ -39,7 +39,7 @@ from fastckpt.planner import max_relative_error as max_rel_l2  # one measure for
 STOCK = "torch non-reentrant"
 STOCK_REENTRANT = "torch reentrant"
 # (warm-up steps after the trial step, timed rounds) per size; sized with the shapes in workloads.py.
-ROUNDS = {"full": (1, 9), "quick": (0, 5), "smoke": (0, 1)}
+ROUNDS = {"full": (1, 5), "quick": (0, 3), "smoke": (0, 1)}
 DEFAULT_OUT = "bench-results"
 
 

@@ -232,8 +232,8 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
 
 
 def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int) -> tuple[torch.nn.Module, str]:
-    """The plan row: the loss head and padded attention on, the decoder layers planned (hf.measure, then the
-    plan) for PLAN_FRACTION of HF GC's whole-step peak (its smallest plan when that is infeasible), with
+    """The plan row: the loss head and padded attention on, the decoder layers and the loss head's chunk planned
+    (hf.measure, then the plan) for PLAN_FRACTION of HF GC's whole-step peak (its smallest plan when that is infeasible), with
     PLAN_MAX_ERROR."""
     model = copy.deepcopy(base)
     hf.enable(model, loss_head=True, padded_attention=True)
@@ -249,7 +249,8 @@ def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int) -> tuple[torch
     note += f" (predicted {plan.predicted_peak / 2**20:.1f}, verified {plan.measured_peak / 2**20:.1f})"
     plan.apply()
     counts = {name: plan.policies.count(name) for name in dict.fromkeys(plan.policies)}
-    return model, note + "; layers: " + ", ".join(f"{count} x {name}" for name, count in counts.items())
+    note += "; layers: " + ", ".join(f"{count} x {name}" for name, count in counts.items())
+    return model, note + (f"; {plan.tail.name}" if plan.tail is not None else "")  # the chunk the plan chose
 
 
 def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[dict]:

@@ -59,7 +59,7 @@ LONG_CONTEXT = {
 }
 # (timed samples per candidate and kind of block while measuring: measure's repeats, interleaved rounds timing
 # the plans) per size
-RUNS = {"full": (3, 5), "quick": (1, 3), "smoke": (1, 1)}
+RUNS = {"full": (3, 3), "quick": (1, 2), "smoke": (1, 1)}
 
 
 TILED_CHUNKS, TILED_POLICY = 8, "recompute+int8"  # the MLP halves of the 'long-context tiled' variant
