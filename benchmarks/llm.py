@@ -233,8 +233,8 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
 
 def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int) -> tuple[torch.nn.Module, str]:
     """The plan row: the loss head and padded attention on, the decoder layers and the loss head's chunk planned
-    (hf.measure, then the plan) for PLAN_FRACTION of HF GC's whole-step peak (its smallest plan when that is infeasible), with
-    PLAN_MAX_ERROR."""
+    (hf.measure, then the plan) for PLAN_FRACTION of HF GC's whole-step peak (its smallest plan when that is
+    infeasible), with PLAN_MAX_ERROR."""
     model = copy.deepcopy(base)
     hf.enable(model, loss_head=True, padded_attention=True)
     with quiet_profiler_logs():  # the planner's CPU memory trace runs the profiler

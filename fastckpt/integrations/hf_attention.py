@@ -131,6 +131,21 @@ def check(model: torch.nn.Module) -> None:
             f"{sorted(map(str, current))}, padded attention replaces 'sdpa'; load the model with "
             "attn_implementation='sdpa' or enable without padded_attention"
         )
+    # transformers switches only models whose attention goes through its AttentionInterface (others, e.g.
+    # Falcon, keep their own sdpa code and only log a warning); refuse those before anything changes.
+    fixed = sorted({type(module).__name__ for module in model.modules() if not _switchable(module)})
+    if fixed:
+        raise ValueError(
+            f"fastckpt.integrations.hf.enable(padded_attention=True): {', '.join(fixed)} cannot switch its attention "
+            "implementation (its attention does not go through transformers' AttentionInterface); enable without "
+            "padded_attention"
+        )
+
+
+def _switchable(module: torch.nn.Module) -> bool:
+    """False for a transformers model whose attention implementation cannot be set after loading."""
+    can_set = getattr(type(module), "_can_set_attn_implementation", None)
+    return not (hasattr(module, "set_attn_implementation") and callable(can_set)) or bool(can_set())
 
 
 def install(model: torch.nn.Module) -> None:
