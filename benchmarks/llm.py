@@ -29,6 +29,7 @@ from __future__ import annotations
 import copy
 import functools
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -409,9 +410,41 @@ def _plot(points: list[dict], path: str) -> None:
     print(f"wrote {path}")
 
 
+SLOW_BF16 = 4.0  # a bf16 matmul this many times slower than fp32: the CPU has no native bf16 (warned)
+
+
+def bf16_slowdown(device: torch.device, size: int = 512) -> float:
+    """How many times slower a [size x size] bf16 matmul runs than an fp32 one on `device` (best of 3 each)."""
+    times = []
+    for dtype in (torch.float32, torch.bfloat16):
+        a = torch.randn(size, size, device=device).to(dtype)
+        runs = []
+        for _ in range(3):
+            start = time.perf_counter()
+            a @ a
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            runs.append(time.perf_counter() - start)
+        times.append(min(runs))
+    return times[1] / times[0]
+
+
+def slow_bf16_warning(slowdown: float) -> str | None:
+    if slowdown < SLOW_BF16:
+        return None
+    return (
+        f"bf16 matmuls run {slowdown:.0f}x slower than fp32 here (no native bf16: AVX-512-BF16 or AMX on x86): "
+        "this section's bf16 steps take about that much longer than on a CPU with it, and its times compare "
+        "fallback kernels"
+    )
+
+
 def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False) -> list[dict]:
     size = "smoke" if smoke else "quick" if quick else "full"
     dev = torch.device(device)
+    warning = slow_bf16_warning(bf16_slowdown(dev)) if dev.type == "cpu" else None
+    if warning:
+        print(f"WARNING: {warning}", flush=True)
     lora, lora_failed = run_workload(True, size, dev)
     full, full_failed = run_workload(False, size, dev)
     if out:

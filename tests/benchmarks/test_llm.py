@@ -6,6 +6,7 @@ import csv
 import math
 
 import pytest
+import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -34,8 +35,12 @@ def test_smoke_run_writes_every_row_and_the_scaling_figure(tmp_path):
 
 
 def test_relative_error_and_slope():
-    import torch
-
     assert llm.relative_error([torch.ones(4)], [torch.ones(4)]) == 0
     assert llm.relative_error([torch.zeros(4)], [torch.ones(4)]) == pytest.approx(1.0)
     assert llm._slope([1, 2, 3], [10, 20, 30]) == pytest.approx(10.0)
+
+
+def test_a_cpu_without_native_bf16_is_warned_about():
+    assert llm.slow_bf16_warning(1.5) is None
+    assert "100x slower than fp32" in llm.slow_bf16_warning(100.0)
+    assert llm.bf16_slowdown(torch.device("cpu"), size=64) > 0
