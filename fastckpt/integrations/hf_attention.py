@@ -136,9 +136,9 @@ def check(model: torch.nn.Module) -> None:
     fixed = sorted({type(module).__name__ for module in model.modules() if not _switchable(module)})
     if fixed:
         raise ValueError(
-            f"fastckpt.integrations.hf.enable(padded_attention=True): {', '.join(fixed)} cannot switch its attention "
-            "implementation (its attention does not go through transformers' AttentionInterface); enable without "
-            "padded_attention"
+            f"fastckpt.integrations.hf.enable(padded_attention=True): the attention implementation of "
+            f"{', '.join(fixed)} cannot be switched (the attention does not go through transformers' "
+            "AttentionInterface); enable without padded_attention"
         )
 
 
