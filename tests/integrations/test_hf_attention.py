@@ -254,7 +254,8 @@ def test_a_model_that_cannot_switch_its_attention_is_refused_unchanged():
     """Falcon keeps its own SDPA code (transformers only logs that it cannot switch it): a clear error, and the
     model is left as it was."""
     model = transformers.FalconForCausalLM(_zoo("falcon")())
-    with pytest.raises(ValueError, match=r"padded_attention=True\): the attention implementation of FalconForCausalLM, FalconModel cannot"):
+    refusal = r"padded_attention=True\): the attention implementation of FalconForCausalLM, FalconModel cannot"
+    with pytest.raises(ValueError, match=refusal):
         hf.enable(model, padded_attention=True, loss_head=True)
     assert not hf.is_enabled(model) and not hf.loss_head_enabled(model)
     assert model.config._attn_implementation == "sdpa"
