@@ -145,7 +145,9 @@ def check(model: torch.nn.Module) -> None:
 def _switchable(module: torch.nn.Module) -> bool:
     """False for a transformers model whose attention implementation cannot be set after loading."""
     can_set = getattr(type(module), "_can_set_attn_implementation", None)
-    return not (hasattr(module, "set_attn_implementation") and callable(can_set)) or bool(can_set())
+    if not hasattr(module, "set_attn_implementation") or not callable(can_set):
+        return True  # not a transformers model, or a release without the check (install() checks after)
+    return bool(can_set())
 
 
 def install(model: torch.nn.Module) -> None:
