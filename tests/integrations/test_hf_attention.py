@@ -56,6 +56,32 @@ ARCHS = {
     "opt": ("OPTForCausalLM", _zoo("opt", dropout=0.0)),
     # multi-head latent attention: values narrower than queries and keys
     "deepseek-v3-mla": ("DeepseekV3ForCausalLM", _zoo("deepseek_v3")),
+    # chunked attention (Llama 4's local layers: not causal, HF's sdpa runs them) next to full layers
+    "llama4-chunked": (
+        "Llama4ForCausalLM",
+        _decoder(
+            "Llama4TextConfig",
+            head_dim=8,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            intermediate_size_mlp=64,
+            attention_chunk_size=8,
+        ),
+    ),
+    # Mamba-2 layers beside the attention (the hybrids' own padding handling)
+    "falcon-h1-hybrid": (
+        "FalconH1ForCausalLM",
+        _decoder(
+            "FalconH1Config",
+            head_dim=8,
+            mamba_d_ssm=32,
+            mamba_n_heads=4,
+            mamba_d_head=8,
+            mamba_d_state=4,
+            mamba_n_groups=1,
+            mamba_chunk_size=8,
+        ),
+    ),
 }
 
 
@@ -259,3 +285,17 @@ def test_a_model_that_cannot_switch_its_attention_is_refused_unchanged():
         hf.enable(model, padded_attention=True, loss_head=True)
     assert not hf.is_enabled(model) and not hf.loss_head_enabled(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_model_without_sdpa_attention_is_refused_without_suggesting_sdpa():
+    """Mamba has no attention (and no sdpa to load it with): the refusal says so instead of naming
+    attn_implementation='sdpa' as the fix."""
+    config = transformers.MambaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, state_size=4)
+    model = transformers.MambaForCausalLM(config)
+    with pytest.raises(
+        ValueError,
+        match=r"padded_attention=True\): transformers has no sdpa attention for MambaForCausalLM, MambaModel",
+    ) as info:
+        hf.enable(model, padded_attention=True)
+    assert "attn_implementation='sdpa'" not in str(info.value)
+    assert not hf.is_enabled(model)
