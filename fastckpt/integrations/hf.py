@@ -340,9 +340,12 @@ class _FirstBatchPlan:
     forward calls the base model's `forward` directly, past its hooks). At the first forward in training mode
     with grad enabled it plans on that call's arguments and applies the plan; at that and every later training
     forward it passes `use_cache=False`, as HF's checkpointing does (a layer recomputed in the backward would
-    write its keys and values to the cache a second time)."""
+    write its keys and values to the cache a second time). A later training forward with a larger tensor
+    argument than the planned call's (dynamic padding: a longer batch) would hold more than the plan predicted,
+    so it plans again, on its own arguments, before it runs."""
 
     PLAN = "_fastckpt_plan"  # the applied Plan, on the PreTrainedModel
+    SIZES = "_fastckpt_plan_sizes"  # the planned call's tensor arguments: name -> number of elements
     HOOK = "_fastckpt_plan_hook"  # the hook's handle, likewise
     PLANNING = "_fastckpt_planning"  # set while the planning steps run
 
@@ -372,6 +375,7 @@ class _FirstBatchPlan:
         handle = pretrained.__dict__.pop(cls.HOOK, None)
         if handle is not None:
             handle.remove()
+        pretrained.__dict__.pop(cls.SIZES, None)
         plan = pretrained.__dict__.pop(cls.PLAN, None)
         if plan is not None and plan.applied:
             plan.remove()
@@ -385,14 +389,39 @@ class _FirstBatchPlan:
         pretrained = _pretrained_model(module)
         if pretrained.__dict__.get(cls.PLANNING):
             return None  # one of the planning steps (hf.measure passes use_cache=False itself)
-        if pretrained.__dict__.get(cls.PLAN) is None:
-            cls._plan(budget, options, module, pretrained, _forward_arguments(module, args, kwargs))
+        batch = _forward_arguments(module, args, kwargs)
+        sizes = {name: value.numel() for name, value in batch.items() if isinstance(value, torch.Tensor)}
+        plan = pretrained.__dict__.get(cls.PLAN)
+        if plan is None:
+            cls._plan(budget, options, module, pretrained, batch, sizes)
+        else:
+            planned = pretrained.__dict__[cls.SIZES]
+            grown = sorted(name for name, n in sizes.items() if n > planned.get(name, 0))
+            if grown:
+                growth = ", ".join(f"{name} {planned.get(name, 0)} -> {sizes[name]}" for name in grown)
+                _logger.info(
+                    "fastckpt.integrations.hf: a training batch larger than the planned one (%s elements); "
+                    "planning again",
+                    growth,
+                )
+                plan.remove()
+                del pretrained.__dict__[cls.PLAN]
+                try:
+                    cls._plan(budget, options, module, pretrained, batch, sizes)
+                except ValueError as error:
+                    raise ValueError(
+                        f"fastckpt.integrations.hf.enable(budget={budget!r}): a training batch larger than the "
+                        f"planned one ({growth} elements) does not fit the budget: {error}. Pad every batch to "
+                        "the longest length (the plan is then made once, for it) or give a larger budget"
+                    ) from error
         if _takes_use_cache(type(pretrained)):
             return args, {**kwargs, "use_cache": False}
         return None
 
     @classmethod
-    def _plan(cls, budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module, batch: dict):
+    def _plan(
+        cls, budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module, batch: dict, sizes: dict
+    ):
         if batch.get("labels") is None:
             raise ValueError(
                 "fastckpt.integrations.hf.enable(budget=...): the first training forward has no `labels`, and the "
@@ -415,7 +444,8 @@ class _FirstBatchPlan:
                 p.grad = grad
         plan.apply()
         pretrained.__dict__[cls.PLAN] = plan
-        _logger.info("fastckpt.integrations.hf: planned on the first batch for budget %r:\n%s", budget, plan.table())
+        pretrained.__dict__[cls.SIZES] = sizes
+        _logger.info("fastckpt.integrations.hf: planned for budget %r:\n%s", budget, plan.table())
 
 
 def _forward_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

@@ -4,6 +4,7 @@ first training batch, applied, and the step after it the one it would have been.
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -62,6 +63,49 @@ def test_the_first_training_batch_plans_and_the_step_is_unchanged():
     assert hf.planned(model) is None and not any(
         isinstance(layer, fastckpt.CheckpointWrapper) for layer in model.model.layers
     )
+
+
+def test_a_larger_batch_than_the_planned_one_plans_again(caplog):
+    """Dynamic padding: a longer batch would hold more than the plan predicted, so it is planned again before
+    it runs (and the step is still the one it would have been); a batch no larger keeps the plan."""
+    torch.manual_seed(0)
+    reference = hf.enable(tiny_llama(), policy="recompute").train()
+    model = hf.enable(copy.deepcopy(reference), budget="100%", plan_options=FAST).train()
+    full = sample()
+    short = {name: value[:, :12] for name, value in full.items()}
+    step(model, short)
+    first = hf.planned(model)
+    step(model, {name: value[:, :8] for name, value in full.items()})  # shorter: the plan stays
+    assert hf.planned(model) is first
+    model.zero_grad(set_to_none=True)
+    with caplog.at_level(logging.INFO, logger="fastckpt"):
+        loss, grads = step(model, full)
+    assert "larger than the planned one (attention_mask 24 -> 48, input_ids 24 -> 48, labels 24 -> 48" in caplog.text
+    again = hf.planned(model)
+    assert again is not first and again.applied and not first.applied
+    assert all(isinstance(layer, fastckpt.CheckpointWrapper) for layer in model.model.layers)
+    expected_loss, expected_grads = step(reference, full)
+    assert torch.equal(loss, expected_loss)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+    step(model, short)
+    assert hf.planned(model) is again
+
+
+def test_a_larger_batch_that_does_not_fit_a_byte_budget_is_refused_naming_the_growth():
+    """A budget in bytes is the same for a longer batch: where no plan of it fits, the step is refused (it would
+    otherwise have run above the budget)."""
+    torch.manual_seed(0)
+    probe = hf.enable(tiny_llama(), budget="100%", plan_options=FAST).train()
+    step(probe, sample())
+    budget = hf.planned(probe).budget  # bytes: stock checkpointing's peak on the sample
+    model = hf.enable(tiny_llama(), budget=budget, plan_options=FAST).train()
+    step(model, sample())
+    longer = {name: value.repeat(4, 2) for name, value in sample().items()}
+    growth = r"attention_mask 48 -> 384, input_ids 48 -> 384, labels 48 -> 384 elements"
+    with pytest.raises(
+        ValueError, match=rf"budget={budget}\): a training batch larger than the planned one \({growth}\)"
+    ):
+        step(model, longer)
 
 
 def test_trainer_plans_from_its_checkpointing_kwargs(tmp_path):
