@@ -302,6 +302,12 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
     return measurements
 
 
+def _distributed() -> bool:
+    """Whether this process is one of several ranks of an initialized torch.distributed group."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 @functools.cache
 def _takes_use_cache(model_class: type) -> bool:
     """Whether the class's forward has a `use_cache` argument (read once per class: the hook asks every step)."""
@@ -399,24 +405,51 @@ class _FirstBatchPlan:
             grown = sorted(name for name, n in sizes.items() if n > planned.get(name, 0))
             if grown:
                 growth = ", ".join(f"{name} {planned.get(name, 0)} -> {sizes[name]}" for name in grown)
-                _logger.info(
-                    "fastckpt.integrations.hf: a training batch larger than the planned one (%s elements); "
-                    "planning again",
-                    growth,
-                )
-                plan.remove()
-                del pretrained.__dict__[cls.PLAN]
-                try:
-                    cls._plan(budget, options, module, pretrained, batch, sizes)
-                except ValueError as error:
-                    raise ValueError(
-                        f"fastckpt.integrations.hf.enable(budget={budget!r}): a training batch larger than the "
-                        f"planned one ({growth} elements) does not fit the budget: {error}. Pad every batch to "
-                        "the longest length (the plan is then made once, for it) or give a larger budget"
-                    ) from error
+                if _distributed():
+                    cls._warn_unplanned(budget, growth)
+                    pretrained.__dict__[cls.SIZES] = {**planned, **{name: sizes[name] for name in grown}}
+                else:
+                    cls._plan_again(budget, options, module, pretrained, batch, sizes, growth)
         if _takes_use_cache(type(pretrained)):
             return args, {**kwargs, "use_cache": False}
         return None
+
+    @staticmethod
+    def _warn_unplanned(budget: Any, growth: str) -> None:
+        # Planning runs steps of this rank alone; under FSDP or ZeRO-3 their collectives would wait for ranks
+        # that are not planning. Say so once per new largest size instead.
+        warnings.warn(
+            f"fastckpt.integrations.hf.enable(budget={budget!r}): a training batch larger than the planned one "
+            f"({growth} elements) may exceed the budget; under torch.distributed fastckpt does not plan again "
+            "(one rank's planning steps would stall the others' collectives): pad every batch to the longest "
+            "length so that the first batch is planned for it",
+            stacklevel=4,
+        )
+
+    @classmethod
+    def _plan_again(
+        cls,
+        budget: Any,
+        options: dict,
+        module: torch.nn.Module,
+        pretrained: torch.nn.Module,
+        batch: dict,
+        sizes: dict,
+        growth: str,
+    ) -> None:
+        _logger.info(
+            "fastckpt.integrations.hf: a training batch larger than the planned one (%s elements); planning again",
+            growth,
+        )
+        pretrained.__dict__.pop(cls.PLAN).remove()
+        try:
+            cls._plan(budget, options, module, pretrained, batch, sizes)
+        except ValueError as error:
+            raise ValueError(
+                f"fastckpt.integrations.hf.enable(budget={budget!r}): a training batch larger than the planned one "
+                f"({growth} elements) does not fit the budget: {error}. Pad every batch to the longest length (the "
+                "plan is then made once, for it) or give a larger budget"
+            ) from error
 
     @classmethod
     def _plan(

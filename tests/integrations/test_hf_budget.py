@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import warnings
 
 import pytest
 import torch
@@ -106,6 +107,23 @@ def test_a_larger_batch_that_does_not_fit_a_byte_budget_is_refused_naming_the_gr
         ValueError, match=rf"budget={budget}\): a training batch larger than the planned one \({growth}\)"
     ):
         step(model, longer)
+
+
+def test_under_torch_distributed_a_larger_batch_warns_instead_of_planning(monkeypatch):
+    """One rank planning alone would stall the others' collectives (FSDP, ZeRO-3): a warning, once per new
+    largest size, and the plan stays."""
+    torch.manual_seed(0)
+    model = hf.enable(tiny_llama(), budget="100%", plan_options=FAST).train()
+    short = {name: value[:, :12] for name, value in sample().items()}
+    step(model, short)
+    first = hf.planned(model)
+    monkeypatch.setattr(hf, "_distributed", lambda: True)
+    with pytest.warns(UserWarning, match=r"larger than the planned one \(.*input_ids 24 -> 48.*torch.distributed"):
+        step(model, sample())
+    assert hf.planned(model) is first and first.applied
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*larger than the planned one")  # the same size: no second
+        step(model, sample())
 
 
 def test_trainer_plans_from_its_checkpointing_kwargs(tmp_path):
