@@ -319,12 +319,13 @@ class Plan:
     def table(self) -> str:
         """One line per segment (policy, kept bytes, backward level, time), then the predicted totals."""
         width = max(22, *(len(policy) + 2 for policy in self.policies))
-        lines = [f"{'segment':<24}{'policy':<{width}}{'kept MiB':>10}{'bwd MiB':>10}{'ms':>9}{'bits/elem':>11}"]
+        names = max(24, *(len(segment.name) + 2 for segment in self.segments))  # a PEFT model's names are long
+        lines = [f"{'segment':<{names}}{'policy':<{width}}{'kept MiB':>10}{'bwd MiB':>10}{'ms':>9}{'bits/elem':>11}"]
         for index, (segment, policy) in enumerate(zip(self.segments, self.policies, strict=True)):
             m = self.measurements.by_policy[policy]
             cost = m.segments[index]
             lines.append(
-                f"{segment.name:<24}{policy:<{width}}{cost.kept_bytes / 2**20:>10.2f}"
+                f"{segment.name:<{names}}{policy:<{width}}{cost.kept_bytes / 2**20:>10.2f}"
                 f"{cost.backward_level / 2**20:>10.2f}{cost.seconds * 1e3:>9.1f}{_bits(m.bits_per_element):>11}"
             )
         if self.tail is not None:

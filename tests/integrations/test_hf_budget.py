@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import warnings
 
 import pytest
@@ -155,6 +156,9 @@ def test_a_peft_model_plans_through_its_own_forward():
     model = hf.enable(peft.get_peft_model(tiny_llama(), config), budget="100%", plan_options=FAST).train()
     loss, _ = step_grads_of_adapters(model)
     assert hf.planned(model) is not None and torch.isfinite(loss)
+    # the table's columns stay apart for PEFT's long layer names
+    rows = [line for line in hf.planned(model).table().splitlines() if "layers." in line]
+    assert len(rows) == LAYERS and all(re.search(r"layers\.\d+ +recompute ", row) for row in rows)
 
 
 def step_grads_of_adapters(model: torch.nn.Module) -> tuple[torch.Tensor, list[torch.Tensor]]:
