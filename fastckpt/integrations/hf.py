@@ -348,7 +348,7 @@ class _FirstBatchPlan:
     forward it passes `use_cache=False`, as HF's checkpointing does (a layer recomputed in the backward would
     write its keys and values to the cache a second time). A later training forward with a larger tensor
     argument than the planned call's (dynamic padding: a longer batch) would hold more than the plan predicted,
-    so it plans again, on its own arguments, before it runs."""
+    so it plans again, on its own arguments, before it runs (under torch.distributed it warns instead)."""
 
     PLAN = "_fastckpt_plan"  # the applied Plan, on the PreTrainedModel
     SIZES = "_fastckpt_plan_sizes"  # the planned call's tensor arguments: name -> number of elements
@@ -457,7 +457,7 @@ class _FirstBatchPlan:
     ):
         if batch.get("labels") is None:
             raise ValueError(
-                "fastckpt.integrations.hf.enable(budget=...): the first training forward has no `labels`, and the "
+                "fastckpt.integrations.hf.enable(budget=...): the training forward to plan on has no `labels`, and the "
                 "planner's step is the model's own loss; pass labels, or plan yourself with "
                 "fastckpt.integrations.hf.plan / fastckpt.plan and a step of your own"
             )

@@ -187,7 +187,7 @@ def test_budget_arguments_are_named():
     with pytest.raises(ValueError, match="`plan_options` without `budget`"):
         hf.enable(tiny_llama(), plan_options=FAST)
     model = hf.enable(tiny_llama(), budget="100%", plan_options=FAST).train()
-    with pytest.raises(ValueError, match="the first training forward has no `labels`"):
+    with pytest.raises(ValueError, match="the training forward to plan on has no `labels`"):
         model(input_ids=batch())
     with pytest.raises(ValueError, match="both `budget` and `policy`"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"budget": "50%", "policy": "int8"})
