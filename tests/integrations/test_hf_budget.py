@@ -1,5 +1,5 @@
 """hf.enable(model, budget=...) and Trainer's gradient_checkpointing_kwargs={"budget": ...}: a plan made on the
-first training batch, applied, and the step after it the one it would have been."""
+first training batch (and again on a larger one), applied, and the step after it the one it would have been."""
 
 from __future__ import annotations
 
