@@ -89,6 +89,17 @@ ARCHS = {
             num_kv_shared_layers=0,
         ),
     ),
+    "gemma4-unified-softcap": (
+        "Gemma4UnifiedForCausalLM",
+        _decoder(
+            "Gemma4UnifiedTextConfig",
+            final_logit_softcapping=3.0,
+            layer_types=["sliding_attention", "full_attention"],
+            head_dim=8,
+            sliding_window=8,
+            num_kv_shared_layers=0,
+        ),
+    ),
     "vaultgemma-softcap": (
         "VaultGemmaForCausalLM",
         _decoder(
@@ -181,9 +192,9 @@ ARCHS = {
         ),
     ),
 }
-# Gemma 4's own fp32 step is 1.3e-5 (relative L2) from the float64 step on the tied embedding's gradient, the
-# loss head's 1.2e-5: elements differ from HF's fp32 by up to 3.5e-6 at magnitudes near 1.
-FP32_OF = {"gemma4-softcap": {"rtol": 1e-4, "atol": 1e-5}}
+# Gemma 4's (and its unified text model's) own fp32 step is 1.3e-5 (relative L2) from the float64 step on the
+# tied embedding's gradient, the loss head's 1.2e-5: elements differ from HF's fp32 by up to 3.5e-6 near 1.
+FP32_OF = dict.fromkeys(("gemma4-softcap", "gemma4-unified-softcap"), {"rtol": 1e-4, "atol": 1e-5})
 
 
 def build(name: str) -> torch.nn.Module:
