@@ -83,10 +83,26 @@ def device_of(model: nn.Module) -> torch.device:
 # ---- arguments -------------------------------------------------------------------------------------------
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
+
+
 def check_arguments(model: Any, step: Any, check_fn: Any, repeats: Any, max_error: Any) -> None:
     """measure()'s arguments other than the candidates, each named when wrong."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastckpt.plan: `model` must be a torch.nn.Module, got {type(model).__name__}")
+    sharded = next((name for name, p in model.named_parameters() if _is_dtensor(p)), None)
+    if sharded is not None:
+        # FSDP2's sharded parameters: the planner's steps and byte counts assume tensors this process holds whole
+        raise ValueError(
+            f"fastckpt.plan: `model` is sharded (parameter {sharded!r} is a DTensor, e.g. after FSDP2's "
+            "fully_shard); plan the model before sharding it (fastckpt.plan or fastckpt.integrations.hf.plan, then "
+            "plan.apply()) and shard the planned model, or give a policy instead of a budget"
+        )
     if not callable(step):
         raise TypeError(
             f"fastckpt.plan: `step` must be a callable running one forward and backward, got {type(step).__name__}"

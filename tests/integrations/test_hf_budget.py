@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import re
 import warnings
 
@@ -125,6 +126,60 @@ def test_under_torch_distributed_a_larger_batch_warns_instead_of_planning(monkey
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*larger than the planned one")  # the same size: no second
         step(model, sample())
+
+
+def _distributed_planning(rank: int, world: int) -> dict:
+    """Each rank: under DDP the first batch plans; planning an FSDP2-sharded model is refused; planning before
+    fully_shard, then sharding the planned model, trains."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    def sharded(model: torch.nn.Module) -> torch.nn.Module:
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    torch.manual_seed(0)
+    ids = batch(seed=rank)
+    inputs = {"input_ids": ids, "labels": ids}
+    model = hf.enable(tiny_llama(), budget="100%", plan_options=FAST).train()
+    torch.nn.parallel.DistributedDataParallel(model)(**inputs).loss.backward()
+    ddp_planned = hf.planned(model) is not None and hf.planned(model).applied
+    torch.manual_seed(0)
+    model = hf.enable(tiny_llama(), budget="100%", plan_options=FAST).train()
+    sharded(model)
+    try:
+        model(**inputs)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    torch.manual_seed(0)
+    model = tiny_llama().train()
+    plan = hf.plan(model, inputs, "100%", **FAST)
+    plan.apply()
+    sharded(model)
+    loss = model(**inputs, use_cache=False).loss
+    loss.backward()
+    return {
+        "ddp_planned": ddp_planned,
+        "refusal": refusal,
+        "loss": float(loss),
+        "wrapped": type(model.model.layers[0]).__name__,
+    }
+
+
+def test_ddp_plans_on_the_first_batch_fsdp2_refuses_and_a_model_planned_before_sharding_trains():
+    fsdp = pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.6")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6")
+    from tests.multiprocess import run_in_processes
+
+    for result in run_in_processes(_distributed_planning, world_size=2):
+        assert result["ddp_planned"]
+        assert result["refusal"] is not None and "`model` is sharded" in result["refusal"]
+        assert "plan the model before sharding it" in result["refusal"]
+        assert result["wrapped"].endswith("CheckpointWrapper") and math.isfinite(result["loss"])
 
 
 def test_trainer_plans_from_its_checkpointing_kwargs(tmp_path):
