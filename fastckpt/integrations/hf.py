@@ -154,9 +154,9 @@ def enable(
     `transformers.Trainer` passes later (`gradient_checkpointing_kwargs`, which may include `policy`)
     are merged over these.
 
-    `loss_head=True` (a causal LM: `*ForCausalLM`) computes the loss of every forward that gets `labels`
-    with grad mode on through `fastckpt.linear_cross_entropy`, a chunk of tokens at a time: no full logits,
-    the same loss and gradients as HF's `ForCausalLMLoss` up to summation order (Trainer's
+    `loss_head=True` (a causal LM: `*ForCausalLM`, or a VLM with its loss) computes the loss of every forward
+    that gets `labels` with grad mode on through `fastckpt.linear_cross_entropy`, a chunk of tokens at a time:
+    no full logits, the same loss and gradients as HF's `ForCausalLMLoss` up to summation order (Trainer's
     `num_items_in_batch`, `ignore_index`, `shift_labels`, `logits_to_keep` and the known logit soft caps and
     scales included). Such a forward returns `logits` of shape [batch, 0, vocab] (no position's logits were
     computed); forwards without labels or under `torch.no_grad()` (evaluation, generation) are HF's own.

@@ -326,6 +326,75 @@ def test_peft_lora():
     assert result[0].logits.shape[1] == 0
 
 
+_TEXT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+}
+_VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+IMAGE, BOI, EOI = 5, 6, 7  # token ids
+
+
+def _llava():
+    return transformers.LlavaConfig(
+        text_config=transformers.LlamaConfig(**_TEXT),
+        vision_config=transformers.CLIPVisionConfig(**_VISION, image_size=16, patch_size=4),
+        image_token_id=IMAGE,
+        vision_feature_layer=-1,
+    )
+
+
+def _gemma3_vision():
+    return transformers.Gemma3Config(
+        text_config={**_TEXT, "model_type": "gemma3_text", **GEMMA, "layer_types": ["sliding_attention"] * 2},
+        vision_config={**_VISION, "model_type": "siglip_vision_model", "image_size": 16, "patch_size": 4},
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE,
+        boi_token_index=BOI,
+        eoi_token_index=EOI,
+    )
+
+
+# image tokens each image takes in the text: Llava's 16 patches, Gemma 3's pooled 4 between its markers
+VISION_LANGUAGE = {
+    "llava": ("LlavaForConditionalGeneration", _llava, [IMAGE] * 16),
+    "gemma3-vision": ("Gemma3ForConditionalGeneration", _gemma3_vision, [BOI] + [IMAGE] * 4 + [EOI]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VISION_LANGUAGE))
+def test_vision_language_models_with_images(name):
+    """The loss head on a VLM whose loss is ForCausalLMLoss: right-padded rows that start with an image, labels
+    -100 on the image tokens and the padding (Gemma 3 also gets token_type_ids: bidirectional image blocks)."""
+    model_class, config, image = VISION_LANGUAGE[name]
+    torch.manual_seed(0)
+    plain = getattr(transformers, model_class)(config())
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    text = padded_batch()
+    pairs = zip(text["input_ids"], text["attention_mask"], strict=True)
+    rows = [image + ids[mask.bool()].tolist() for ids, mask in pairs]
+    ids = torch.zeros(len(rows), max(map(len, rows)), dtype=torch.long)
+    for row, tokens in enumerate(rows):
+        ids[row, : len(tokens)] = torch.tensor(tokens)
+    mask = (torch.arange(ids.shape[1]) < torch.tensor([len(r) for r in rows])[:, None]).long()
+    labels = ids.masked_fill((mask == 0) | (ids == IMAGE) | (ids == BOI) | (ids == EOI), -100)
+    pixels = torch.randn(len(rows), 3, 16, 16, generator=torch.Generator().manual_seed(2))
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels, "pixel_values": pixels}
+    if name == "gemma3-vision":
+        batch["token_type_ids"] = (ids == IMAGE).long()
+    (output, grads), (ref_output, ref_grads) = step(ours, **batch), step(plain, **batch)
+    assert output.logits.shape[1] == 0
+    assert grads.keys() == ref_grads.keys() and any("vision" in n for n in grads)  # the image path trains too
+    torch.testing.assert_close(output.loss, ref_output.loss, **FP32)
+    for name, ref in ref_grads.items():  # relative L2: Gemma 3's projector gradient is ~800 (elementwise atol)
+        assert float((grads[name] - ref).norm()) <= 1e-5 * float(ref.norm()) + 1e-9, name
+
+
 def test_lora_on_lm_head_is_refused():
     peft = pytest.importorskip("peft")
     config = peft.LoraConfig(r=4, target_modules=["q_proj", "lm_head"])
