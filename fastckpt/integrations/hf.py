@@ -604,6 +604,11 @@ _GRANITE_SCALING = (
 _HEAD_POSTPROCESSING: dict[str, Callable[[Any], dict[str, Any]]] = {
     **dict.fromkeys(_GEMMA_SOFTCAP, _softcap_of("config.final_logit_softcapping")),
     "RecurrentGemmaForCausalLM": _softcap_of("config.logits_soft_cap"),
+    # vision-language models: the text model's cap (their forward reads config.get_text_config())
+    **dict.fromkeys(
+        ("Gemma4ForConditionalGeneration", "Gemma4UnifiedForConditionalGeneration"),
+        _softcap_of("config.text_config.final_logit_softcapping"),
+    ),
     **dict.fromkeys(("CohereForCausalLM", "Cohere2ForCausalLM", "Cohere2MoeForCausalLM"), _scale_of("logit_scale")),
     **dict.fromkeys(_GRANITE_SCALING, _scale_of("config.logits_scaling", invert=True)),
     "FalconH1ForCausalLM": _scale_of("model.lm_head_multiplier"),

@@ -192,9 +192,34 @@ ARCHS = {
         ),
     ),
 }
+GEMMA4_TEXT = {
+    "vocab_size": VOCAB,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "pad_token_id": 0,
+    "final_logit_softcapping": 3.0,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "head_dim": 8,
+    "sliding_window": 8,
+    "num_kv_shared_layers": 0,
+}
+# the vision-language classes, text only (no vision tower configured): their cap is the text config's
+ARCHS["gemma4-vlm-softcap"] = (
+    "Gemma4ForConditionalGeneration",
+    lambda: transformers.Gemma4Config(
+        text_config={**GEMMA4_TEXT, "model_type": "gemma4_text", "hidden_size_per_layer_input": 0}
+    ),
+)
+ARCHS["gemma4-unified-vlm-softcap"] = (
+    "Gemma4UnifiedForConditionalGeneration",
+    lambda: transformers.Gemma4UnifiedConfig(text_config={**GEMMA4_TEXT, "model_type": "gemma4_unified_text"}),
+)
 # Gemma 4's (and its unified text model's) own fp32 step is 1.3e-5 (relative L2) from the float64 step on the
 # tied embedding's gradient, the loss head's 1.2e-5: elements differ from HF's fp32 by up to 3.5e-6 near 1.
-FP32_OF = dict.fromkeys(("gemma4-softcap", "gemma4-unified-softcap"), {"rtol": 1e-4, "atol": 1e-5})
+FP32_OF = dict.fromkeys([name for name in ARCHS if name.startswith("gemma4")], {"rtol": 1e-4, "atol": 1e-5})
 
 
 def build(name: str) -> torch.nn.Module:
