@@ -119,21 +119,26 @@ def num_threads(threads: int | None = None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+# A tiny transformers decoder (2 layers, hidden 32, 4 heads / 2 KV), without its vocabulary size.
+TINY_DECODER = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+# Mamba-2 mixer sizes for TINY_DECODER's hybrids: 4 heads of 8 (Falcon-H1 with mamba_d_ssm=32), chunks of 8.
+TINY_MAMBA2 = {"mamba_n_heads": 4, "mamba_d_head": 8, "mamba_d_state": 4, "mamba_n_groups": 1, "mamba_chunk_size": 8}
+
+
 def tiny_decoder_config(config_class: str, vocab_size: int, **overrides: Any) -> Callable[[], Any]:
-    """A tiny transformers decoder config (2 layers, hidden 32, 4 heads / 2 KV), `overrides` on top, as a
-    factory: `tiny_decoder_config("LlamaConfig", 96)()`."""
+    """A TINY_DECODER transformers config, `overrides` on top, as a factory:
+    `tiny_decoder_config("LlamaConfig", 96)()`."""
     import transformers
 
-    base = {
-        "vocab_size": vocab_size,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 64,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+    base = {**TINY_DECODER, "vocab_size": vocab_size}
     return functools.partial(getattr(transformers, config_class), **{**base, **overrides})

@@ -14,7 +14,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fastckpt.integrations import hf, hf_attention  # noqa: E402
-from tests.helpers import tiny_decoder_config  # noqa: E402
+from tests.helpers import TINY_MAMBA2, tiny_decoder_config  # noqa: E402
 from tests.integrations import test_hf_zoo  # noqa: E402
 
 VOCAB = 128
@@ -71,16 +71,7 @@ ARCHS = {
     # Mamba-2 layers beside the attention (the hybrids' own padding handling)
     "falcon-h1-hybrid": (
         "FalconH1ForCausalLM",
-        _decoder(
-            "FalconH1Config",
-            head_dim=8,
-            mamba_d_ssm=32,
-            mamba_n_heads=4,
-            mamba_d_head=8,
-            mamba_d_state=4,
-            mamba_n_groups=1,
-            mamba_chunk_size=8,
-        ),
+        _decoder("FalconH1Config", head_dim=8, mamba_d_ssm=32, **TINY_MAMBA2),
     ),
 }
 

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastckpt import linear_cross_entropy  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
-from tests.helpers import tiny_decoder_config  # noqa: E402
+from tests.helpers import TINY_DECODER, TINY_MAMBA2, tiny_decoder_config  # noqa: E402
 
 VOCAB = 256
 BATCH, SEQ, SHORT = 2, 12, 7
@@ -32,6 +32,7 @@ def _decoder(config_class: str, **overrides: Any):
 
 
 GEMMA = {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8}
+MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
 ARCHS = {
     "llama": ("LlamaForCausalLM", _decoder("LlamaConfig")),
     "llama-tied": ("LlamaForCausalLM", _decoder("LlamaConfig", tie_word_embeddings=True)),
@@ -53,11 +54,11 @@ ARCHS = {
     "granite-scaling": ("GraniteForCausalLM", _decoder("GraniteConfig", logits_scaling=4.0)),
     "granitemoe-scaling": (
         "GraniteMoeForCausalLM",
-        _decoder("GraniteMoeConfig", logits_scaling=4.0, num_local_experts=4, num_experts_per_tok=2),
+        _decoder("GraniteMoeConfig", logits_scaling=4.0, **MOE),
     ),
     "mixtral-aux-loss": (
         "MixtralForCausalLM",
-        _decoder("MixtralConfig", num_local_experts=4, num_experts_per_tok=2, output_router_logits=True),
+        _decoder("MixtralConfig", **MOE, output_router_logits=True),
     ),
     # the other classes whose forward soft-caps or scales the logits (hf._HEAD_POSTPROCESSING)
     "gemma3n-softcap": (
@@ -147,59 +148,31 @@ ARCHS = {
     ),
     "granitemoe-swa-scaling": (
         "GraniteMoeSWAForCausalLM",
-        _decoder(
-            "GraniteMoeSWAConfig", logits_scaling=4.0, num_local_experts=4, num_experts_per_tok=2, sliding_window=8
-        ),
+        _decoder("GraniteMoeSWAConfig", logits_scaling=4.0, **MOE, sliding_window=8),
     ),
     "granitemoeshared-scaling": (
         "GraniteMoeSharedForCausalLM",
-        _decoder(
-            "GraniteMoeSharedConfig",
-            logits_scaling=4.0,
-            num_local_experts=4,
-            num_experts_per_tok=2,
-            shared_intermediate_size=32,
-        ),
+        _decoder("GraniteMoeSharedConfig", logits_scaling=4.0, **MOE, shared_intermediate_size=32),
     ),
     "granitemoehybrid-scaling": (  # Granite 4.0: Mamba-2 and attention layers
         "GraniteMoeHybridForCausalLM",
         _decoder(
             "GraniteMoeHybridConfig",
             logits_scaling=4.0,
-            num_local_experts=4,
-            num_experts_per_tok=2,
+            **MOE,
             shared_intermediate_size=32,
             layer_types=["mamba", "attention"],
-            mamba_n_heads=4,
-            mamba_d_head=16,
-            mamba_d_state=4,
-            mamba_n_groups=1,
-            mamba_chunk_size=8,
+            **{**TINY_MAMBA2, "mamba_d_head": 16},  # its mixer is 2 x hidden wide: 4 heads of 16
         ),
     ),
     "falcon-h1-multiplier": (
         "FalconH1ForCausalLM",
-        _decoder(
-            "FalconH1Config",
-            lm_head_multiplier=0.5,
-            head_dim=8,
-            mamba_d_ssm=32,
-            mamba_n_heads=4,
-            mamba_d_head=8,
-            mamba_d_state=4,
-            mamba_n_groups=1,
-            mamba_chunk_size=8,
-        ),
+        _decoder("FalconH1Config", lm_head_multiplier=0.5, head_dim=8, mamba_d_ssm=32, **TINY_MAMBA2),
     ),
 }
 GEMMA4_TEXT = {
+    **TINY_DECODER,
     "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "pad_token_id": 0,
     "final_logit_softcapping": 3.0,
     "layer_types": ["sliding_attention", "full_attention"],
     "head_dim": 8,
@@ -351,16 +324,7 @@ def test_peft_lora():
     assert result[0].logits.shape[1] == 0
 
 
-_TEXT = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 64,
-    "pad_token_id": 0,
-}
+_TEXT = {**TINY_DECODER, "vocab_size": VOCAB}
 _VISION = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
 IMAGE, BOI, EOI = 5, 6, 7  # token ids
 
