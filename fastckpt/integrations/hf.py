@@ -396,12 +396,11 @@ class _FirstBatchPlan:
         if pretrained.__dict__.get(cls.PLANNING):
             return None  # one of the planning steps (hf.measure passes use_cache=False itself)
         batch = _forward_arguments(module, args, kwargs)
-        sizes = {name: value.numel() for name, value in batch.items() if isinstance(value, torch.Tensor)}
         plan = pretrained.__dict__.get(cls.PLAN)
         if plan is None:
-            cls._plan(budget, options, module, pretrained, batch, sizes)
+            cls._plan(budget, options, module, pretrained, batch)
         else:
-            planned = pretrained.__dict__[cls.SIZES]
+            planned, sizes = pretrained.__dict__[cls.SIZES], cls._sizes(batch)
             grown = sorted(name for name, n in sizes.items() if n > planned.get(name, 0))
             if grown:
                 growth = ", ".join(f"{name} {planned.get(name, 0)} -> {sizes[name]}" for name in grown)
@@ -409,7 +408,7 @@ class _FirstBatchPlan:
                     cls._warn_unplanned(budget, growth)
                     pretrained.__dict__[cls.SIZES] = {**planned, **{name: sizes[name] for name in grown}}
                 else:
-                    cls._plan_again(budget, options, module, pretrained, batch, sizes, growth)
+                    cls._plan_again(budget, options, module, pretrained, batch, growth)
         if _takes_use_cache(type(pretrained)):
             return args, {**kwargs, "use_cache": False}
         return None
@@ -434,7 +433,6 @@ class _FirstBatchPlan:
         module: torch.nn.Module,
         pretrained: torch.nn.Module,
         batch: dict,
-        sizes: dict,
         growth: str,
     ) -> None:
         _logger.info(
@@ -443,7 +441,7 @@ class _FirstBatchPlan:
         )
         pretrained.__dict__.pop(cls.PLAN).remove()
         try:
-            cls._plan(budget, options, module, pretrained, batch, sizes)
+            cls._plan(budget, options, module, pretrained, batch)
         except ValueError as error:
             raise ValueError(
                 f"fastckpt.integrations.hf.enable(budget={budget!r}): a training batch larger than the planned one "
@@ -451,10 +449,13 @@ class _FirstBatchPlan:
                 "plan is then made once, for it) or give a larger budget"
             ) from error
 
+    @staticmethod
+    def _sizes(batch: dict) -> dict[str, int]:
+        """A call's tensor arguments: name -> number of elements."""
+        return {name: value.numel() for name, value in batch.items() if isinstance(value, torch.Tensor)}
+
     @classmethod
-    def _plan(
-        cls, budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module, batch: dict, sizes: dict
-    ):
+    def _plan(cls, budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module, batch: dict):
         if batch.get("labels") is None:
             raise ValueError(
                 "fastckpt.integrations.hf.enable(budget=...): the training forward to plan on has no `labels`, and the "
@@ -477,7 +478,7 @@ class _FirstBatchPlan:
                 p.grad = grad
         plan.apply()
         pretrained.__dict__[cls.PLAN] = plan
-        pretrained.__dict__[cls.SIZES] = sizes
+        pretrained.__dict__[cls.SIZES] = cls._sizes(batch)
         _logger.info("fastckpt.integrations.hf: planned for budget %r:\n%s", budget, plan.table())
 
 

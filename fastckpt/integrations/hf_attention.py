@@ -125,15 +125,15 @@ def _attention_configs(model: torch.nn.Module) -> list[Any]:
 def check(model: torch.nn.Module) -> None:
     """ValueError, naming the fix, unless `model`'s attention implementation is "sdpa" (or already NAME)."""
     current = {config._attn_implementation for config in _attention_configs(model)}
-    without_sdpa = sorted(
-        {type(m).__name__ for m in model.modules() if getattr(type(m), "_supports_sdpa", None) is False}
-    )
-    if without_sdpa and not current <= {"sdpa", NAME}:  # loading it with sdpa is not a fix there
-        raise ValueError(
-            f"fastckpt.integrations.hf.enable(padded_attention=True): transformers has no sdpa attention for "
-            f"{', '.join(without_sdpa)} (padded attention replaces sdpa's); enable without padded_attention"
-        )
     if not current or not current <= {"sdpa", NAME}:
+        without_sdpa = sorted(
+            {type(m).__name__ for m in model.modules() if getattr(type(m), "_supports_sdpa", None) is False}
+        )
+        if without_sdpa and current:  # loading it with sdpa is not a fix there
+            raise ValueError(
+                f"fastckpt.integrations.hf.enable(padded_attention=True): transformers has no sdpa attention for "
+                f"{', '.join(without_sdpa)} (padded attention replaces sdpa's); enable without padded_attention"
+            )
         raise ValueError(
             f"fastckpt.integrations.hf.enable(padded_attention=True): the model's attention implementation is "
             f"{sorted(map(str, current))}, padded attention replaces 'sdpa'; load the model with "

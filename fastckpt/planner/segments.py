@@ -83,19 +83,20 @@ def device_of(model: nn.Module) -> torch.device:
 # ---- arguments -------------------------------------------------------------------------------------------
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def _sharded_parameter(model: nn.Module) -> str | None:
+    """The name of a parameter of `model` that is a DTensor (FSDP2's sharding), or None."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
-        return False
-    return isinstance(tensor, DTensor)
+        return None
+    return next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
 
 
 def check_arguments(model: Any, step: Any, check_fn: Any, repeats: Any, max_error: Any) -> None:
     """measure()'s arguments other than the candidates, each named when wrong."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fastckpt.plan: `model` must be a torch.nn.Module, got {type(model).__name__}")
-    sharded = next((name for name, p in model.named_parameters() if _is_dtensor(p)), None)
+    sharded = _sharded_parameter(model)
     if sharded is not None:
         # FSDP2's sharded parameters: the planner's steps and byte counts assume tensors this process holds whole
         raise ValueError(
