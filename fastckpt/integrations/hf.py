@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
 import statistics
 import time
 import types
@@ -346,12 +347,13 @@ class _FirstBatchPlan:
     forward calls the base model's `forward` directly, past its hooks). At the first forward in training mode
     with grad enabled it plans on that call's arguments and applies the plan; at that and every later training
     forward it passes `use_cache=False`, as HF's checkpointing does (a layer recomputed in the backward would
-    write its keys and values to the cache a second time). A later training forward with a larger tensor
-    argument than the planned call's (dynamic padding: a longer batch) would hold more than the plan predicted,
-    so it plans again, on its own arguments, before it runs (under torch.distributed it warns instead)."""
+    write its keys and values to the cache a second time). A later training forward with a tensor argument
+    larger in some dimension than the planned call's (dynamic padding: a longer batch) would hold more than the
+    plan predicted, so it plans again, on its own arguments, before it runs (under torch.distributed it warns
+    instead); see `_cover`."""
 
     PLAN = "_fastckpt_plan"  # the applied Plan, on the PreTrainedModel
-    SIZES = "_fastckpt_plan_sizes"  # the planned call's tensor arguments: name -> number of elements
+    PLANS = "_fastckpt_plans"  # every plan kept: [(the planned call's tensor shapes by name, Plan)]
     HOOK = "_fastckpt_plan_hook"  # the hook's handle, likewise
     PLANNING = "_fastckpt_planning"  # set while the planning steps run
 
@@ -381,7 +383,7 @@ class _FirstBatchPlan:
         handle = pretrained.__dict__.pop(cls.HOOK, None)
         if handle is not None:
             handle.remove()
-        pretrained.__dict__.pop(cls.SIZES, None)
+        pretrained.__dict__.pop(cls.PLANS, None)
         plan = pretrained.__dict__.pop(cls.PLAN, None)
         if plan is not None and plan.applied:
             plan.remove()
@@ -396,63 +398,76 @@ class _FirstBatchPlan:
         if pretrained.__dict__.get(cls.PLANNING):
             return None  # one of the planning steps (hf.measure passes use_cache=False itself)
         batch = _forward_arguments(module, args, kwargs)
-        plan = pretrained.__dict__.get(cls.PLAN)
-        if plan is None:
+        if pretrained.__dict__.get(cls.PLAN) is None:
             cls._plan(budget, options, module, pretrained, batch)
         else:
-            planned, sizes = pretrained.__dict__[cls.SIZES], cls._sizes(batch)
-            grown = sorted(name for name, n in sizes.items() if n > planned.get(name, 0))
-            if grown:
-                growth = ", ".join(f"{name} {planned.get(name, 0)} -> {sizes[name]}" for name in grown)
-                if _distributed():
-                    cls._warn_unplanned(budget, growth)
-                    pretrained.__dict__[cls.SIZES] = {**planned, **{name: sizes[name] for name in grown}}
-                else:
-                    cls._plan_again(budget, options, module, pretrained, batch, growth)
+            cls._cover(budget, options, module, pretrained, batch)
         if _takes_use_cache(type(pretrained)):
             return args, {**kwargs, "use_cache": False}
         return None
 
-    @staticmethod
-    def _warn_unplanned(budget: Any, growth: str) -> None:
-        # Planning runs steps of this rank alone; under FSDP or ZeRO-3 their collectives would wait for ranks
-        # that are not planning. Say so once per new largest size instead.
-        warnings.warn(
-            f"fastckpt.integrations.hf.enable(budget={budget!r}): a training batch larger than the planned one "
-            f"({growth} elements) may exceed the budget; under torch.distributed fastckpt does not plan again "
-            "(one rank's planning steps would stall the others' collectives): pad every batch to the longest "
-            "length so that the first batch is planned for it",
-            stacklevel=4,
-        )
-
     @classmethod
-    def _plan_again(
-        cls,
-        budget: Any,
-        options: dict,
-        module: torch.nn.Module,
-        pretrained: torch.nn.Module,
-        batch: dict,
-        growth: str,
-    ) -> None:
-        _logger.info(
-            "fastckpt.integrations.hf: a training batch larger than the planned one (%s elements); planning again",
-            growth,
+    def _cover(cls, budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module, batch: dict):
+        """Apply a plan made on a call no smaller than this one in any dimension of any tensor argument.
+
+        The number of elements alone is not enough: a batch of the same elements in longer rows holds more (the
+        T x T attention mask; measured: 1 x 2048 tokens at 1.33x a byte budget planned on 8 x 256). Plans made
+        on shapes neither covers (a short last batch of longer rows) are kept, so alternating shapes swap plans
+        instead of planning again; a plan whose shape a newer one covers is dropped."""
+        shapes = cls._shapes(batch)
+        current, plans = pretrained.__dict__[cls.PLAN], pretrained.__dict__[cls.PLANS]
+        covering = [(planned, plan) for planned, plan in plans if _covers(planned, shapes)]
+        if any(plan is current for _, plan in covering):
+            return
+        if covering:
+            _, plan = min(covering, key=lambda entry: sum(map(math.prod, entry[0].values())))
+            current.remove()
+            plan.apply()
+            pretrained.__dict__[cls.PLAN] = plan
+            return
+        index = next(i for i, (_, plan) in enumerate(plans) if plan is current)
+        planned = plans[index][0]
+        growth = ", ".join(
+            f"{name} {_shape_text(planned.get(name))} -> {_shape_text(shape)}"
+            for name, shape in shapes.items()
+            if not _covers({name: planned.get(name)}, {name: shape})
         )
-        pretrained.__dict__.pop(cls.PLAN).remove()
+        if _distributed():
+            cls._warn_unplanned(budget, growth)
+            plans[index] = ({**planned, **_envelope(planned, shapes)}, current)  # warned once per new shape
+            return
+        _logger.info(
+            "fastckpt.integrations.hf: a training batch larger than the planned one (%s); planning again", growth
+        )
+        current.remove()
         try:
             cls._plan(budget, options, module, pretrained, batch)
-        except ValueError as error:
+        except BaseException as error:
+            current.apply()  # the model as it was: the failed call changed nothing
+            if not isinstance(error, ValueError):
+                raise
             raise ValueError(
                 f"fastckpt.integrations.hf.enable(budget={budget!r}): a training batch larger than the planned one "
-                f"({growth} elements) does not fit the budget: {error}. Pad every batch to the longest length (the "
-                "plan is then made once, for it) or give a larger budget"
+                f"({growth}) does not fit the budget: {error}. Pad every batch to the longest length (the plan is "
+                "then made once, for it) or give a larger budget"
             ) from error
 
     @staticmethod
-    def _sizes(batch: dict) -> dict[str, int]:
-        """A call's tensor arguments: name -> number of elements."""
-        return {name: value.numel() for name, value in batch.items() if isinstance(value, torch.Tensor)}
+    def _warn_unplanned(budget: Any, growth: str) -> None:
+        # Planning runs steps of this rank alone; under FSDP or ZeRO-3 their collectives would wait for ranks
+        # that are not planning. Say so once per new largest shape instead.
+        warnings.warn(
+            f"fastckpt.integrations.hf.enable(budget={budget!r}): a training batch larger than the planned one "
+            f"({growth}) may exceed the budget; under torch.distributed fastckpt does not plan again (one rank's "
+            "planning steps would stall the others' collectives): pad every batch to the longest length so that "
+            "the first batch is planned for it",
+            stacklevel=4,
+        )
+
+    @staticmethod
+    def _shapes(batch: dict) -> dict[str, tuple[int, ...]]:
+        """A call's tensor arguments: name -> shape."""
+        return {name: tuple(value.shape) for name, value in batch.items() if isinstance(value, torch.Tensor)}
 
     @classmethod
     def _plan(cls, budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module, batch: dict):
@@ -477,9 +492,35 @@ class _FirstBatchPlan:
             for p, grad in gradients:
                 p.grad = grad
         plan.apply()
+        shapes = cls._shapes(batch)
+        kept = [
+            (planned, old) for planned, old in pretrained.__dict__.get(cls.PLANS, []) if not _covers(shapes, planned)
+        ]
+        pretrained.__dict__[cls.PLANS] = [*kept, (shapes, plan)]
         pretrained.__dict__[cls.PLAN] = plan
-        pretrained.__dict__[cls.SIZES] = cls._sizes(batch)
         _logger.info("fastckpt.integrations.hf: planned for budget %r:\n%s", budget, plan.table())
+
+
+def _covers(planned: dict[str, tuple[int, ...] | None], shapes: dict[str, tuple[int, ...]]) -> bool:
+    """Every tensor argument of `shapes` no larger in any dimension than `planned`'s of that name."""
+    return all(
+        planned.get(name) is not None
+        and len(planned[name]) == len(shape)
+        and all(size <= limit for size, limit in zip(shape, planned[name], strict=True))
+        for name, shape in shapes.items()
+    )
+
+
+def _envelope(planned: dict[str, tuple[int, ...]], shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The dimension-wise largest of the two shapes of each argument (`shapes`' alone where they differ in rank)."""
+    return {
+        name: tuple(map(max, shape, planned[name])) if name in planned and len(planned[name]) == len(shape) else shape
+        for name, shape in shapes.items()
+    }
+
+
+def _shape_text(shape: tuple[int, ...] | None) -> str:
+    return "none" if shape is None else "x".join(map(str, shape)) or "scalar"
 
 
 def _forward_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> dict[str, Any]:

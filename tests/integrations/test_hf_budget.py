@@ -83,7 +83,9 @@ def test_a_larger_batch_than_the_planned_one_plans_again(caplog):
     model.zero_grad(set_to_none=True)
     with caplog.at_level(logging.INFO, logger="fastckpt"):
         loss, grads = step(model, full)
-    assert "larger than the planned one (attention_mask 24 -> 48, input_ids 24 -> 48, labels 24 -> 48" in caplog.text
+    assert "larger than the planned one (input_ids 2x12 -> 2x24, attention_mask 2x12 -> 2x24, labels 2x12 -> 2x24)" in (
+        caplog.text
+    )
     again = hf.planned(model)
     assert again is not first and again.applied and not first.applied
     assert all(isinstance(layer, fastckpt.CheckpointWrapper) for layer in model.model.layers)
@@ -92,6 +94,37 @@ def test_a_larger_batch_than_the_planned_one_plans_again(caplog):
     assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
     step(model, short)
     assert hf.planned(model) is again
+
+
+def test_the_same_elements_in_longer_rows_plan_again_and_alternating_shapes_swap_plans(caplog):
+    """A batch of no more elements in longer rows holds more (the T x T mask), so it is planned again; a plan
+    made on shapes neither covers is kept, so returning to the earlier shape swaps back without planning, and a
+    plan that a later, larger one covers is dropped."""
+    torch.manual_seed(0)
+    model = hf.enable(tiny_llama(), budget="100%", plan_options=FAST).train()
+    full = sample()
+    wide = {name: value[:, :12] for name, value in full.items()}  # 2 x 12
+    long = {name: value[:1] for name, value in full.items()}  # 1 x 24: fewer elements, longer rows
+    step(model, wide)
+    first = hf.planned(model)
+    with caplog.at_level(logging.INFO, logger="fastckpt"):
+        step(model, long)
+    assert "(input_ids 2x12 -> 1x24, attention_mask 2x12 -> 1x24, labels 2x12 -> 1x24); planning again" in caplog.text
+    second = hf.planned(model)
+    assert second is not first and second.applied and not first.applied
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="fastckpt"):
+        step(model, wide)
+        assert hf.planned(model) is first and first.applied and not second.applied
+        step(model, {name: value[:1, :20] for name, value in full.items()})  # covered by the second plan
+        assert hf.planned(model) is second and second.applied and not first.applied
+    assert "planning again" not in caplog.text
+    step(model, full)  # 2 x 24 covers both earlier shapes: one plan is left
+    third = hf.planned(model)
+    assert model.__dict__[hf._FirstBatchPlan.PLANS] == [(hf._FirstBatchPlan._shapes(full), third)]
+    for smaller in (wide, long):
+        step(model, smaller)
+        assert hf.planned(model) is third
 
 
 def test_a_larger_batch_that_does_not_fit_a_byte_budget_is_refused_naming_the_growth():
@@ -104,11 +137,13 @@ def test_a_larger_batch_that_does_not_fit_a_byte_budget_is_refused_naming_the_gr
     model = hf.enable(tiny_llama(), budget=budget, plan_options=FAST).train()
     step(model, sample())
     longer = {name: value.repeat(4, 2) for name, value in sample().items()}
-    growth = r"attention_mask 48 -> 384, input_ids 48 -> 384, labels 48 -> 384 elements"
+    growth = r"input_ids 2x24 -> 8x48, attention_mask 2x24 -> 8x48, labels 2x24 -> 8x48"
     with pytest.raises(
         ValueError, match=rf"budget={budget}\): a training batch larger than the planned one \({growth}\)"
     ):
         step(model, longer)
+    assert hf.planned(model).applied  # the model as it was before the refused call: the plan still applies
+    step(model, sample())
 
 
 def test_under_torch_distributed_a_larger_batch_warns_instead_of_planning(monkeypatch):
@@ -120,7 +155,7 @@ def test_under_torch_distributed_a_larger_batch_warns_instead_of_planning(monkey
     step(model, short)
     first = hf.planned(model)
     monkeypatch.setattr(hf, "_distributed", lambda: True)
-    with pytest.warns(UserWarning, match=r"larger than the planned one \(.*input_ids 24 -> 48.*torch.distributed"):
+    with pytest.warns(UserWarning, match=r"larger than the planned one \(input_ids 2x12 -> 2x24.*torch.distributed"):
         step(model, sample())
     assert hf.planned(model) is first and first.applied
     with warnings.catch_warnings():
