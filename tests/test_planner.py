@@ -292,6 +292,24 @@ def test_fastckpt_plan_in_one_call():
     assert not plan.applied and all(isinstance(b, Block) for b in model.blocks)  # measuring left the model as it was
 
 
+def test_planning_steps_run_no_post_accumulate_grad_hook():
+    """What a parameter's post-accumulate-grad hook does (ZeRO's gradient reduction, an optimizer stepped in the
+    backward) belongs to training steps: the planner's steps and its verifying run leave it out, and the hooks
+    are all there afterwards, in their order."""
+    model, step = make(layers=3)
+    before = [p.detach().clone() for p in model.parameters()]
+    calls: list[str] = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: calls.append("first"))
+        p.register_post_accumulate_grad_hook(lambda p: calls.append("second"))
+    fastckpt.plan(model, step, "100%", candidates=["recompute", NONE], repeats=1)
+    assert calls == []
+    step()
+    used = [name for name, _ in model.named_parameters() if not name.startswith("side.")]  # side: no gradient
+    assert calls == ["first", "second"] * len(used)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+
+
 @needs_sac_hooks
 def test_selective_candidate_is_measured_planned_and_applied():
     model, step = make(layers=3)

@@ -785,6 +785,7 @@ class _LossHead:
         self.placeholder: torch.Tensor | None = None
         self.version = 0
         self.losses = 0
+        self.pending: tuple[torch.Tensor, dict] | None = None  # the loss's labels and options, for head_forward
 
     def run(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         model = self.model
@@ -809,7 +810,13 @@ class _LossHead:
         return output
 
     def head_forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Stands in for lm_head.forward during the call: keeps the hidden states, returns empty logits."""
+        """Stands in for lm_head.forward during the call: keeps the hidden states, returns empty logits; called
+        again by `loss`, computes the loss."""
+        head = self.model.lm_head
+        if self.pending is not None:
+            (targets, options), self.pending = self.pending, None
+            chunk_size = self.model.__dict__.get(self.CHUNK)
+            return linear_cross_entropy(args[0], head.weight, targets, bias=head.bias, chunk_size=chunk_size, **options)
         if self.hidden is not None:
             raise RuntimeError(
                 f"fastckpt.integrations.hf (loss_head): {type(self.model).__name__}.forward calls lm_head more "
@@ -821,7 +828,6 @@ class _LossHead:
                 "[..., tokens, hidden]; enable without loss_head"
             )
         hidden = self.hidden = args[0]
-        head = self.model.lm_head
         # The dtype lm_head's output would have (autocast's or the weight's), no tokens, and no weight cast:
         # the model's logit post-processing runs on this empty tensor.
         dtype = torch.result_type(hidden[..., :0, :1], head.weight[:0, :1])
@@ -829,7 +835,10 @@ class _LossHead:
         if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             dtype = torch.get_autocast_dtype(device_type)
         shape = (*hidden.shape[:-2], 0, head.out_features)
-        self.placeholder = torch.empty(shape, dtype=dtype, device=hidden.device)
+        # No elements, on a storage of its own (one element): a detached alias of it (DeepSpeed ZeRO-3's forward
+        # hook hands module outputs on so) is the same logits, a new tensor (post-processing) is not.
+        storage = torch.empty(1, dtype=dtype, device=hidden.device)
+        self.placeholder = storage.as_strided(shape, (0,) * len(shape))
         self.version = self.placeholder._version
         return self.placeholder
 
@@ -855,7 +864,8 @@ class _LossHead:
         owner = _forward_owner(model)
         known = owner.__module__.startswith("transformers.") and owner.__name__ in _HEAD_POSTPROCESSING
         options = _HEAD_POSTPROCESSING[owner.__name__](model) if known else {}
-        changed = logits is not self.placeholder or logits._version != self.version
+        same_storage = logits.untyped_storage().data_ptr() == self.placeholder.untyped_storage().data_ptr()
+        changed = not same_storage or logits._version != self.version
         if changed != bool(options):
             what = "changes the lm_head output before its loss" if changed else "does not post-process the logits"
             raise RuntimeError(
@@ -879,11 +889,14 @@ class _LossHead:
                 f"fastckpt.integrations.hf (loss_head): {hidden.shape[0]} positions have logits but there are "
                 f"{targets.numel()} labels (logits_to_keep keeps positions, the labels must match them)"
             )
-        options.update(ignore_index=ignore_index, num_items_in_batch=num_items_in_batch, bias=head.bias)
+        options.update(ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
         record = model.__dict__.get(self.RECORD)
         if record is not None:
-            record.append((hidden.detach(), hidden.requires_grad, targets, options))
-        return linear_cross_entropy(hidden, head.weight, targets, chunk_size=model.__dict__.get(self.CHUNK), **options)
+            record.append((hidden.detach(), hidden.requires_grad, targets, {**options, "bias": head.bias}))
+        # Through lm_head's own call: what gathers its parameters around its forward and backward (DeepSpeed
+        # ZeRO-3, FSDP) sees the loss as the head's output.
+        self.pending = (targets, options)
+        return head(hidden)
 
     @classmethod
     def chunk_options(
@@ -915,6 +928,7 @@ class _LossHead:
                 p.grad = None
 
         from fastckpt.memory import peak_bytes
+        from fastckpt.planner.measurement import grad_hooks_suspended
         from fastckpt.planner.model import TailOption
 
         tokens = hidden.shape[0]
@@ -923,15 +937,16 @@ class _LossHead:
         chunks = sorted({min(tokens, max(1, round(default * f))) for f in cls.CHUNK_FACTORS} | {min(tokens, measured)})
         grads = [(p, p.grad) for p in trained]
         try:
-            peaks = {chunk: peak_bytes(functools.partial(run, chunk), hidden.device) for chunk in chunks}
-            samples: dict[int, list[float]] = {chunk: [] for chunk in chunks}
-            for _ in range(repeats):
-                for chunk in chunks:
-                    _synchronize(hidden.device)
-                    start = time.perf_counter()
-                    run(chunk)
-                    _synchronize(hidden.device)
-                    samples[chunk].append(time.perf_counter() - start)
+            with grad_hooks_suspended(pretrained):  # as the planner's steps
+                peaks = {chunk: peak_bytes(functools.partial(run, chunk), hidden.device) for chunk in chunks}
+                samples: dict[int, list[float]] = {chunk: [] for chunk in chunks}
+                for _ in range(repeats):
+                    for chunk in chunks:
+                        _synchronize(hidden.device)
+                        start = time.perf_counter()
+                        run(chunk)
+                        _synchronize(hidden.device)
+                        samples[chunk].append(time.perf_counter() - start)
         finally:
             for p, grad in grads:
                 p.grad = grad

@@ -14,7 +14,7 @@ from fastckpt.planner import model as peak_model
 from fastckpt.planner.budgets import Resident, check_budget, format_bytes, is_total, step_bytes
 from fastckpt.planner.candidates import NONE, REFERENCE, Candidate, parse_candidate, parse_candidates
 from fastckpt.planner.checks import probe, samples_mixed
-from fastckpt.planner.measurement import gradient_errors, measure_candidates, timing_rounds
+from fastckpt.planner.measurement import grad_hooks_suspended, gradient_errors, measure_candidates, timing_rounds
 from fastckpt.planner.model import CandidateMeasurement, TailOption
 from fastckpt.planner.segments import Segment, check_arguments, device_of, find_segments
 from fastckpt.policies import Policy
@@ -439,7 +439,10 @@ def measure(
     bar = _progress_bar(
         int(probing) + 1 + len(measured) + _after_tracing(segments, measured, repeats, max_error), progress
     )
-    user_step = step
+
+    def user_step(given: Callable[[], Any] = step) -> Any:
+        with grad_hooks_suspended(model):
+            return given()
 
     def step() -> Any:
         result = user_step()

@@ -84,12 +84,17 @@ def device_of(model: nn.Module) -> torch.device:
 
 
 def _sharded_parameter(model: nn.Module) -> str | None:
-    """The name of a parameter of `model` that is a DTensor (FSDP2's sharding), or None."""
+    """A parameter of `model` that this process does not hold whole, named with what sharded it, or None."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # a torch built without distributed
-        return None
-    return next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
+        DTensor = ()  # noqa: N806 - no parameter is one
+    for name, p in model.named_parameters():
+        if isinstance(p, DTensor):
+            return f"parameter {name!r} is a DTensor, e.g. after FSDP2's fully_shard"
+        if hasattr(p, "ds_id"):
+            return f"parameter {name!r} is partitioned by DeepSpeed ZeRO-3 (deepspeed.initialize or zero.Init)"
+    return None
 
 
 def check_arguments(model: Any, step: Any, check_fn: Any, repeats: Any, max_error: Any) -> None:
@@ -98,11 +103,11 @@ def check_arguments(model: Any, step: Any, check_fn: Any, repeats: Any, max_erro
         raise TypeError(f"fastckpt.plan: `model` must be a torch.nn.Module, got {type(model).__name__}")
     sharded = _sharded_parameter(model)
     if sharded is not None:
-        # FSDP2's sharded parameters: the planner's steps and byte counts assume tensors this process holds whole
+        # The planner's steps and byte counts assume tensors this process holds whole.
         raise ValueError(
-            f"fastckpt.plan: `model` is sharded (parameter {sharded!r} is a DTensor, e.g. after FSDP2's "
-            "fully_shard); plan the model before sharding it (fastckpt.plan or fastckpt.integrations.hf.plan, then "
-            "plan.apply()) and shard the planned model, or give a policy instead of a budget"
+            f"fastckpt.plan: `model` is sharded ({sharded}); plan the model before sharding it (fastckpt.plan or "
+            "fastckpt.integrations.hf.plan, then plan.apply()) and shard the planned model (fully_shard, "
+            "deepspeed.initialize), or give a policy instead of a budget"
         )
     if not callable(step):
         raise TypeError(

@@ -573,3 +573,84 @@ def test_deepspeed_engine_zero(stage):
             assert torch.equal(a, b)
     for a, b in zip(ranks[0][True]["params"], ranks[1][True]["params"], strict=True):
         assert torch.equal(a, b)  # data parallel: the ranks' parameters agree after every step
+
+
+# 7. Hugging Face models in the engine (2 processes): the loss head under ZeRO-3, where lm_head's weight is
+# gathered only around lm_head's own call, and planning on the first batch under ZeRO-2, whose gradient hooks
+# must not see the planner's steps (each would reduce a gradient again).
+
+HF_STEPS = 3
+
+
+def _hf_engine_run(rank: int, stage: int, **enable: object) -> dict:
+    transformers = pytest.importorskip("transformers")
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    from fastckpt.integrations import hf
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage},
+        "zero_allow_untested_optimizer": True,
+    }
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=128,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            pad_token_id=0,
+        )
+    )
+    hf.enable(model, **enable)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config
+    )  # SGD: the parameters move by their gradients, so the parameters compare as the gradients do
+    initial = safe_get_full_fp32_param(model.lm_head.weight).clone()
+    data = torch.Generator().manual_seed(100 + rank)
+    losses = []
+    for _ in range(HF_STEPS):
+        ids = torch.randint(1, 128, (2, 24), generator=data)
+        mask = torch.ones_like(ids)
+        mask[1, 16:] = 0
+        loss = engine(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.detach())
+    moved = safe_get_full_fp32_param(model.lm_head.weight) - initial
+    plan = hf.planned(model)
+    return dict(losses=torch.stack(losses), moved=moved, policies=None if plan is None else plan.policies)
+
+
+def _hf_engine_body(rank: int, world_size: int) -> dict:
+    deepspeed.init_distributed(dist_backend="gloo")
+    fast = {"candidates": ["recompute"], "repeats": 1, "progress": False, "max_error": None}
+    results = {
+        "zero3 hf loss": _hf_engine_run(rank, 3, policy="recompute"),
+        "zero3 loss head": _hf_engine_run(rank, 3, policy="recompute", loss_head=True),
+        "zero2 policy": _hf_engine_run(rank, 2, policy="recompute", loss_head=True),
+        "zero2 budget": _hf_engine_run(rank, 2, budget="100%", plan_options=fast, loss_head=True),
+    }
+    try:
+        _hf_engine_run(rank, 3, budget="100%", plan_options=fast)
+    except ValueError as error:
+        results["zero3 budget"] = str(error)
+    return results
+
+
+def test_hf_models_in_the_engine_loss_head_under_zero3_and_a_budget_under_zero2():
+    ranks = run_in_processes(_hf_engine_body)
+    for results in ranks:
+        # The loss head: HF's loss and training up to fp32 summation order.
+        theirs, ours = results["zero3 hf loss"], results["zero3 loss head"]
+        torch.testing.assert_close(ours["losses"], theirs["losses"], rtol=1e-5, atol=0)
+        assert theirs["moved"].norm() > 0 and max_rel_l2([ours["moved"]], [theirs["moved"]]) < 1e-5
+        # The planned step (every layer recomputed: the only candidate) is the one enable(policy=...) takes.
+        planned, by_hand = results["zero2 budget"], results["zero2 policy"]
+        assert planned["policies"] == ["recompute"] * 2
+        assert torch.equal(planned["losses"], by_hand["losses"]) and torch.equal(planned["moved"], by_hand["moved"])
+        assert "is partitioned by DeepSpeed ZeRO-3" in results["zero3 budget"]
+        assert "plan the model before sharding it" in results["zero3 budget"]

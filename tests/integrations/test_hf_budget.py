@@ -96,6 +96,36 @@ def test_a_larger_batch_than_the_planned_one_plans_again(caplog):
     assert hf.planned(model) is again
 
 
+def test_an_optimizer_stepped_in_the_backward_steps_once_per_training_step():
+    """PyTorch's optimizer-in-backward pattern (a post-accumulate-grad hook per parameter): planning on the first
+    batch must not step it; the parameters after one planned step are those after one step of enable(policy=)."""
+
+    def trained(model: torch.nn.Module) -> tuple[list[torch.Tensor], int]:
+        steps = []
+
+        def sgd(p: torch.Tensor) -> None:
+            steps.append(1)
+            with torch.no_grad():
+                p.sub_(0.1 * p.grad)
+            p.grad = None
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(sgd)
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(**sample()).loss.backward()
+        return [p.detach().clone() for p in model.parameters()], len(steps)
+
+    torch.manual_seed(0)
+    reference = hf.enable(tiny_llama(), policy="recompute").train()
+    model = hf.enable(copy.deepcopy(reference), budget="100%", plan_options=FAST).train()
+    planned, planned_steps = trained(model)
+    expected, expected_steps = trained(reference)
+    assert hf.planned(model).policies == ["recompute"] * LAYERS
+    assert planned_steps == expected_steps == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(planned, expected, strict=True))
+
+
 def test_the_same_elements_in_longer_rows_plan_again_and_alternating_shapes_swap_plans(caplog):
     """A batch of no more elements in longer rows holds more (the T x T mask), so it is planned again; a plan
     made on shapes neither covers is kept, so returning to the earlier shape swaps back without planning, and a

@@ -407,6 +407,32 @@ def test_head_replaced_after_enable_falls_back_with_a_warning():
         step(ours, **batch)  # once per model
 
 
+class _Alias(torch.autograd.Function):
+    """What DeepSpeed ZeRO-3's forward hook makes of a module's output: a detached alias, in the graph."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def test_the_loss_is_computed_inside_lm_heads_own_call():
+    """What acts around lm_head's call (ZeRO-3 gathers its weight there, and hands the output on as an alias)
+    acts around the loss: its hooks see the logits call, then the loss call, and an alias is no post-processing."""
+    plain = build("llama")
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    calls = []
+    ours.lm_head.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape)))
+    ours.lm_head.register_forward_hook(lambda module, args, output: _Alias.apply(output))
+    batch = padded_batch()
+    assert_same_step(step(ours, **batch), step(plain, **batch))
+    hidden = ours.config.hidden_size
+    assert calls == [(BATCH, SEQ, hidden), (BATCH * SEQ, hidden)]
+
+
 class _ScaledLlama(transformers.LlamaForCausalLM):
     """A forward that post-processes the logits in a way fastckpt does not know."""
 
