@@ -790,14 +790,17 @@ class _LossHead:
     def run(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         model = self.model
         head = model.lm_head
-        saved = {name: obj.__dict__[name] for obj, name in ((head, "forward"), (model, "_loss_function"))
-                 if name in obj.__dict__}  # fmt: skip
-        head.forward = self.head_forward
+        # Under an accelerate hook (device_map dispatch, offload) the hook's wrapper calls `_old_forward`: that
+        # is replaced, so the hook still moves the inputs and the weight around both of the head's calls.
+        accelerated = getattr(head, "_hf_hook", None) is not None and "_old_forward" in head.__dict__
+        replaced = ((head, "_old_forward" if accelerated else "forward"), (model, "_loss_function"))
+        saved = {name: obj.__dict__[name] for obj, name in replaced if name in obj.__dict__}
+        setattr(head, replaced[0][1], self.head_forward)
         model._loss_function = self.loss
         try:
             output = inner(*args, **kwargs)
         finally:
-            for obj, name in ((head, "forward"), (model, "_loss_function")):
+            for obj, name in replaced:
                 if name in saved:
                     obj.__dict__[name] = saved[name]
                 else:

@@ -433,6 +433,32 @@ def test_the_loss_is_computed_inside_lm_heads_own_call():
     assert calls == [(BATCH, SEQ, hidden), (BATCH * SEQ, hidden)]
 
 
+def test_an_accelerate_hook_on_lm_head_runs_around_both_calls():
+    """accelerate's hooks (device_map dispatch, offload) wrap the module's forward and call `_old_forward`: they
+    still move the inputs and load the weight around the logits call and the loss call."""
+    hooks = pytest.importorskip("accelerate.hooks")
+
+    class Recording(hooks.ModelHook):
+        def __init__(self) -> None:
+            self.calls: list[tuple[int, ...]] = []
+
+        def pre_forward(self, module, *args, **kwargs):
+            self.calls.append(tuple(args[0].shape))
+            return args, kwargs
+
+    plain = build("llama")
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    recording = Recording()
+    hooks.add_hook_to_module(ours.lm_head, recording)
+    batch = padded_batch()
+    assert_same_step(step(ours, **batch), step(plain, **batch))
+    hidden = ours.config.hidden_size
+    assert recording.calls == [(BATCH, SEQ, hidden), (BATCH * SEQ, hidden)]
+    hooks.remove_hook_from_module(ours.lm_head)  # what the hook wrapped is lm_head's own forward again
+    assert_same_step(step(ours, **batch), step(plain, **batch))
+    assert len(recording.calls) == 2
+
+
 class _ScaledLlama(transformers.LlamaForCausalLM):
     """A forward that post-processes the logits in a way fastckpt does not know."""
 
