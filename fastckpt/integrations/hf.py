@@ -592,6 +592,18 @@ class _AdapterInputCasts:
                 module.cast_input_dtype_enabled = True
 
 
+def _unsharded_class(module: Any) -> type:
+    """The module's class, or the one FSDP2's `fully_shard` subclassed (FSDPLinear: FSDPModule and Linear)."""
+    cls = type(module)
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch built without distributed
+        return cls
+    if FSDPModule in cls.__bases__ and len(cls.__bases__) == 2:
+        return next(base for base in cls.__bases__ if base is not FSDPModule)
+    return cls
+
+
 def _read(model: Any, path: str) -> Any:
     """The attribute at dotted `path` on `model` ("config.logits_scaling", "model.lm_head_multiplier"); None
     when a step of it is missing."""
@@ -680,9 +692,10 @@ class _LossHead:
     decide whether to pass `num_items_in_batch`). For a call with `labels` under grad mode it replaces, for
     that call only, `lm_head.forward` by `head_forward` below, which keeps the hidden states and returns
     empty logits (no tokens: the model's logit post-processing runs on an empty tensor), and the instance's
-    `loss_function` by `loss` below, which computes the loss from the kept hidden states and lm_head's
-    weight and bias. Everything else in the forward (the base model, `logits_to_keep`, MoE auxiliary
-    losses added to the loss) is the model's own code.
+    `loss_function` by `loss` below, which calls lm_head again on the kept hidden states, and that call
+    computes the loss from them and the head's weight and bias (inside the head's own call, where DeepSpeed
+    ZeRO-3, FSDP2 and accelerate's hooks make the weight whole and present). Everything else in the forward
+    (the base model, `logits_to_keep`, MoE auxiliary losses added to the loss) is the model's own code.
     """
 
     ON = "_fastckpt_loss_head"
@@ -697,7 +710,7 @@ class _LossHead:
         """Why the loss head cannot run on `model` (None: it can)."""
         name = type(model).__name__
         head = getattr(model, "lm_head", None)
-        if type(head) is not torch.nn.Linear:
+        if _unsharded_class(head) is not torch.nn.Linear:
             return (
                 f"{name}.lm_head is {type(head).__name__}, not a plain torch.nn.Linear (a LoRA or quantized head, "
                 "PEFT's modules_to_save); fastckpt reads its weight and bias directly"

@@ -459,6 +459,45 @@ def test_an_accelerate_hook_on_lm_head_runs_around_both_calls():
     assert len(recording.calls) == 2
 
 
+def _fsdp2_body(rank: int, world: int) -> dict:
+    """Each rank: HF's loss and the loss head under FSDP2, lm_head in the root's group or sharded on its own."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    results = {}
+    for head_alone in (False, True):
+        for loss_head in (False, True):
+            plain = build("llama")
+            model = hf.enable(plain, policy="recompute", loss_head=loss_head) if loss_head else plain
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            if head_alone:
+                fully_shard(model.lm_head, mesh=mesh)  # a separate group, as torchtitan shards the output layer
+            fully_shard(model, mesh=mesh)
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no fallback to HF's loss
+                output, grads = step(model, **padded_batch(seed=rank))
+            results[head_alone, loss_head] = output.loss.detach(), [g.full_tensor() for g in grads.values()]
+    return results
+
+
+def test_fsdp2_with_lm_head_sharded_or_not():
+    """FSDP2 unshards lm_head's weight around its own call, where the loss is computed: the same step as HF's
+    loss up to fp32 summation order, where lm_head was sharded on its own too (a class FSDP2 made: FSDPLinear)."""
+    fsdp = pytest.importorskip("torch.distributed.fsdp", reason="FSDP2 (fully_shard) needs torch >= 2.6")
+    if not hasattr(fsdp, "fully_shard"):
+        pytest.skip("FSDP2 (fully_shard) needs torch >= 2.6")
+    from tests.multiprocess import run_in_processes
+
+    for results in run_in_processes(_fsdp2_body):
+        for head_alone in (False, True):
+            (loss, grads), (ref_loss, ref_grads) = results[head_alone, True], results[head_alone, False]
+            torch.testing.assert_close(loss, ref_loss, **FP32)
+            for got, expected in zip(grads, ref_grads, strict=True):
+                torch.testing.assert_close(got, expected, **FP32)
+
+
 class _ScaledLlama(transformers.LlamaForCausalLM):
     """A forward that post-processes the logits in a way fastckpt does not know."""
 
