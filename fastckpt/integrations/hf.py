@@ -203,8 +203,11 @@ def enable(
     _checkpoint_function(settings, None, offload=False)  # reject bad keywords before changing the model
     if loss_head:
         _LossHead.check(pretrained)  # likewise
+    # The attention switch first: a model that turns out not to switch is refused before anything else changed.
     if padded_attention:
-        hf_attention.check(pretrained)
+        hf_attention.install(pretrained)
+    else:
+        hf_attention.remove(pretrained)
     pretrained._fastckpt_settings = settings
     # An instance attribute shadows the class's method, so Trainer's later call (and the deprecated
     # gradient_checkpointing_enable, which forwards to it) lands here too. A bound method, not a
@@ -215,10 +218,6 @@ def enable(
         _LossHead.install(pretrained)
     else:
         _LossHead.remove(pretrained)
-    if padded_attention:
-        hf_attention.install(pretrained)
-    else:
-        hf_attention.remove(pretrained)
     _AdapterInputCasts.install(pretrained)
     return model
 

@@ -278,6 +278,17 @@ def test_a_model_that_cannot_switch_its_attention_is_refused_unchanged():
     assert model.config._attn_implementation == "sdpa"
 
 
+def test_a_model_found_not_to_switch_after_trying_is_refused_unchanged(monkeypatch):
+    """Where a model says it can switch but its configs keep their implementation (the check after trying),
+    the refusal comes before checkpointing or the loss head are turned on."""
+    model = build("llama")
+    monkeypatch.setattr(type(model), "set_attn_implementation", lambda self, implementation: None)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM did not switch its attention implementation"):
+        hf.enable(model, padded_attention=True, loss_head=True)
+    assert not hf.is_enabled(model) and not hf.loss_head_enabled(model)
+    assert not model.is_activation_checkpointing
+
+
 def test_a_model_without_sdpa_attention_is_refused_without_suggesting_sdpa():
     """Mamba has no attention (and no sdpa to load it with): the refusal says so instead of naming
     attn_implementation='sdpa' as the fix."""
