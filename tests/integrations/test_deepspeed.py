@@ -654,3 +654,71 @@ def test_hf_models_in_the_engine_loss_head_under_zero3_and_a_budget_under_zero2(
         assert torch.equal(planned["losses"], by_hand["losses"]) and torch.equal(planned["moved"], by_hand["moved"])
         assert "is partitioned by DeepSpeed ZeRO-3" in results["zero3 budget"]
         assert "plan the model before sharding it" in results["zero3 budget"]
+
+
+def _trainer_zero3_body(rank: int, world_size: int, path: str, out: str) -> dict:
+    """Trainer with a ZeRO-3 config: from_pretrained partitions the model as it loads (zero.Init), then
+    hf.enable, then Trainer trains it in DeepSpeed's engine, two micro-batches per step."""
+    transformers = pytest.importorskip("transformers")
+    from fastckpt.integrations import hf
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 3},
+        "zero_allow_untested_optimizer": True,
+    }
+    data = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(16):
+        ids = torch.randint(1, 128, (int(torch.randint(8, 24, (1,), generator=data)),), generator=data)
+        rows.append(ids)
+
+    def collate(features: list[torch.Tensor]) -> dict:  # dynamic right padding, as DataCollatorForSeq2Seq
+        longest = max(len(f) for f in features)
+        mask = torch.stack([torch.arange(longest) < len(f) for f in features]).long()
+        ids = torch.stack([torch.nn.functional.pad(f, (0, longest - len(f))) for f in features])
+        return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+
+    results = {}
+    for loss_head in (False, True):
+        args = transformers.TrainingArguments(
+            output_dir=f"{out}/{loss_head}",
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=3,
+            learning_rate=1e-2,
+            logging_steps=1,
+            report_to=[],
+            deepspeed=config,
+            gradient_checkpointing=True,
+            use_cpu=True,
+            save_strategy="no",
+        )
+        model = transformers.LlamaForCausalLM.from_pretrained(path, attn_implementation="sdpa")
+        partitioned = all(hasattr(p, "ds_id") for p in model.parameters())
+        hf.enable(model, policy="recompute+int8", loss_head=loss_head, padded_attention=loss_head)
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=rows, data_collator=collate)
+        trainer.train()
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        results[loss_head] = {"partitioned": partitioned, "losses": losses}
+    return results
+
+
+def test_trainer_with_zero3_trains_with_the_loss_head_and_padded_attention(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    for results in run_in_processes(_trainer_zero3_body, str(tmp_path / "model"), str(tmp_path / "out")):
+        assert results[False]["partitioned"] and results[True]["partitioned"]  # zero.Init at load
+        assert len(results[True]["losses"]) == 3
+        torch.testing.assert_close(results[True]["losses"], results[False]["losses"], rtol=1e-5, atol=0)
