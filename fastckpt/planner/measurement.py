@@ -398,7 +398,7 @@ def grad_hooks_suspended(model: nn.Module) -> Iterator[None]:
     (a planning step would reduce a gradient twice, or move the parameters)."""
     suspended = []
     for p in model.parameters():
-        hooks = p._post_accumulate_grad_hooks  # the dict autograd reads: emptied and refilled in place
+        hooks = getattr(p, "_post_accumulate_grad_hooks", None)  # the dict autograd reads: emptied, refilled
         if hooks:
             suspended.append((hooks, dict(hooks)))
             hooks.clear()

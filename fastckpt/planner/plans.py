@@ -439,10 +439,11 @@ def measure(
     bar = _progress_bar(
         int(probing) + 1 + len(measured) + _after_tracing(segments, measured, repeats, max_error), progress
     )
+    given_step = step
 
-    def user_step(given: Callable[[], Any] = step) -> Any:
+    def user_step() -> Any:  # the user's step, as every run of it here (and the verifying one) calls it
         with grad_hooks_suspended(model):
-            return given()
+            return given_step()
 
     def step() -> Any:
         result = user_step()
