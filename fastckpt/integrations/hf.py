@@ -591,6 +591,17 @@ class _AdapterInputCasts:
                 module.cast_input_dtype_enabled = True
 
 
+def _tensor_parallel(model: torch.nn.Module, head: torch.nn.Module) -> bool:
+    """Whether `head`'s weight is distributed by something other than FSDP2 (whose DTensors are made whole
+    around the module's call, where the loss is computed): torch's tensor parallelism."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(head.weight, DTensor) and not any(isinstance(m, FSDPModule) for m in (model, head))
+
+
 def _unsharded_class(module: Any) -> type:
     """The module's class, or the one FSDP2's `fully_shard` subclassed (FSDPLinear: FSDPModule and Linear)."""
     cls = type(module)
@@ -713,6 +724,11 @@ class _LossHead:
             return (
                 f"{name}.lm_head is {type(head).__name__}, not a plain torch.nn.Linear (a LoRA or quantized head, "
                 "PEFT's modules_to_save); fastckpt reads its weight and bias directly"
+            )
+        if _tensor_parallel(model, head):
+            return (
+                f"{name}.lm_head's weight is a DTensor outside FSDP2 (tensor parallel, e.g. ColwiseParallel); the "
+                "loss head computes with the whole weight on each rank"
             )
         try:
             from transformers.loss.loss_utils import ForCausalLMLoss

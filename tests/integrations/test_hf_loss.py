@@ -482,6 +482,38 @@ def _fsdp2_body(rank: int, world: int) -> dict:
     return results
 
 
+def _tensor_parallel_body(rank: int, world: int) -> dict:
+    """Each rank: HF's loss, and the loss head on a model whose lm_head is then made tensor parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    results = {}
+    for loss_head in (False, True):
+        model = build("llama")
+        if loss_head:
+            hf.enable(model, loss_head=True)
+        parallelize_module(
+            model, init_device_mesh("cpu", (world,)), {"lm_head": ColwiseParallel(output_layouts=Replicate())}
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            output, _ = step(model, **padded_batch(seed=rank))
+        results[loss_head] = output.loss.detach(), [str(w.message) for w in caught if "fastckpt" in str(w.message)]
+    return results
+
+
+def test_a_tensor_parallel_lm_head_falls_back_to_hfs_loss_with_a_warning():
+    """A ColwiseParallel head's weight stays a DTensor in its call, which the loss head does not compute with
+    (it failed with "'Tensor' object has no attribute 'placements'"): HF's loss, with a warning naming why."""
+    from tests.multiprocess import run_in_processes
+
+    for results in run_in_processes(_tensor_parallel_body):
+        (loss, caught), (ref_loss, _) = results[True], results[False]
+        assert torch.equal(loss, ref_loss)
+        assert len(caught) == 1 and "falls back to HF's loss" in caught[0] and "tensor parallel" in caught[0]
+
+
 def test_fsdp2_with_lm_head_sharded_or_not():
     """FSDP2 unshards lm_head's weight around its own call, where the loss is computed: the same step as HF's
     loss up to fp32 summation order, where lm_head was sharded on its own too (a class FSDP2 made: FSDPLinear)."""
