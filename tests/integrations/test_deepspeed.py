@@ -582,6 +582,19 @@ def test_deepspeed_engine_zero(stage):
 HF_STEPS = 3
 
 
+def _tiny_llama_config():
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        pad_token_id=0,
+    )
+
+
 def _hf_engine_run(rank: int, stage: int, **enable: object) -> dict:
     transformers = pytest.importorskip("transformers")
     from deepspeed.utils import safe_get_full_fp32_param
@@ -594,17 +607,7 @@ def _hf_engine_run(rank: int, stage: int, **enable: object) -> dict:
         "zero_allow_untested_optimizer": True,
     }
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=128,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            pad_token_id=0,
-        )
-    )
+    model = transformers.LlamaForCausalLM(_tiny_llama_config())
     hf.enable(model, **enable)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5), config=config
@@ -708,16 +711,7 @@ def _trainer_zero3_body(rank: int, world_size: int, path: str, out: str) -> dict
 def test_trainer_with_zero3_trains_with_the_loss_head_and_padded_attention(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        pad_token_id=0,
-    )
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    transformers.LlamaForCausalLM(_tiny_llama_config()).save_pretrained(tmp_path / "model")
     for results in run_in_processes(_trainer_zero3_body, str(tmp_path / "model"), str(tmp_path / "out")):
         assert results[False]["partitioned"] and results[True]["partitioned"]  # zero.Init at load
         assert len(results[True]["losses"]) == 3
