@@ -33,6 +33,13 @@ def _decoder(config_class: str, **overrides: Any):
 
 GEMMA = {"head_dim": 8, "query_pre_attn_scalar": 8, "sliding_window": 8}
 MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
+GEMMA4 = {  # Gemma 4's text model (and its unified one), soft-capped
+    "final_logit_softcapping": 3.0,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "head_dim": 8,
+    "sliding_window": 8,
+    "num_kv_shared_layers": 0,
+}
 ARCHS = {
     "llama": ("LlamaForCausalLM", _decoder("LlamaConfig")),
     "llama-tied": ("LlamaForCausalLM", _decoder("LlamaConfig", tie_word_embeddings=True)),
@@ -80,26 +87,11 @@ ARCHS = {
     ),
     "gemma4-softcap": (
         "Gemma4ForCausalLM",
-        _decoder(
-            "Gemma4TextConfig",
-            final_logit_softcapping=3.0,
-            layer_types=["sliding_attention", "full_attention"],
-            head_dim=8,
-            sliding_window=8,
-            hidden_size_per_layer_input=0,
-            num_kv_shared_layers=0,
-        ),
+        _decoder("Gemma4TextConfig", **GEMMA4, hidden_size_per_layer_input=0),
     ),
     "gemma4-unified-softcap": (
         "Gemma4UnifiedForCausalLM",
-        _decoder(
-            "Gemma4UnifiedTextConfig",
-            final_logit_softcapping=3.0,
-            layer_types=["sliding_attention", "full_attention"],
-            head_dim=8,
-            sliding_window=8,
-            num_kv_shared_layers=0,
-        ),
+        _decoder("Gemma4UnifiedTextConfig", **GEMMA4),
     ),
     "vaultgemma-softcap": (
         "VaultGemmaForCausalLM",
@@ -170,15 +162,7 @@ ARCHS = {
         _decoder("FalconH1Config", lm_head_multiplier=0.5, head_dim=8, mamba_d_ssm=32, **TINY_MAMBA2),
     ),
 }
-GEMMA4_TEXT = {
-    **TINY_DECODER,
-    "vocab_size": VOCAB,
-    "final_logit_softcapping": 3.0,
-    "layer_types": ["sliding_attention", "full_attention"],
-    "head_dim": 8,
-    "sliding_window": 8,
-    "num_kv_shared_layers": 0,
-}
+GEMMA4_TEXT = {**TINY_DECODER, "vocab_size": VOCAB, **GEMMA4}
 # the vision-language classes, text only (no vision tower configured): their cap is the text config's
 ARCHS["gemma4-vlm-softcap"] = (
     "Gemma4ForConditionalGeneration",
