@@ -16,9 +16,9 @@ over token chunks, each chunk checkpointed: what a user can do without fastckpt)
 without fastckpt's whole-step options, recompute:int8+int8 with the loss head alone, and its policies with the
 loss head and padded attention (`fastckpt.integrations.hf.enable(..., loss_head=True, padded_attention=True)`: the
 head and loss a chunk of tokens at a time, attention without the [tokens x tokens] mask); a plan (`fastckpt.plan`
-at a third of HF GC's peak, both options on). Gradient error: relative L2 over all trained
-parameters' gradients against plain fp32 (no autocast), same weights and batch; 'x bf16' divides it by plain
-bf16 autocast's own.
+at the workload's target, both options on: LoRA a third of HF GC's peak, the full fine-tune 0.4 of HF GC's peak
+less the gradients). Gradient error: relative L2 over all trained parameters' gradients against plain fp32 (no
+autocast), same weights and batch; 'x bf16' divides it by plain bf16 autocast's own.
 
 Then the scaling figure: the peak against sequence length and depth for plain, HF GC and fastckpt's best,
 with the fitted bytes per token per layer.
@@ -52,7 +52,9 @@ SCALING_TOKENS = {"full": 1024, "quick": 1024, "smoke": 64}
 LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this many token chunks
 HF_GC = "HF GC"
 PLAN = "fastckpt plan + loss head + padded attention"
-PLAN_FRACTION = 1 / 3  # the plan row's budget, as a fraction of HF GC's whole-step peak
+# The plan rows' budgets, the targets': LoRA a third of HF GC's whole-step peak; the full fine-tune 0.4 of HF GC's
+# peak less the parameter gradients (which no checkpointing removes), plus those gradients.
+PLAN_FRACTION = {"llama-lora": 1 / 3, "llama-full": 0.4}
 # The planner's bound (hf.PLAN_MAX_ERROR, enable(budget=)'s default): its error is the largest relative L2 error
 # of one parameter's gradient against the plain bf16 step (not fp32); the int8 forms' (1.2-1.3x bf16's own error
 # against fp32 in this table's measure) are within it, the int4 forms' (7x) are not.
@@ -215,9 +217,9 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     for name in list(models):
         measure(name)
     notes = []
-    if lora and HF_GC in results:
+    if HF_GC in results:
         try:
-            models[PLAN], note = _planned(base, batch, results[HF_GC]["peak"])
+            models[PLAN], note = _planned(base, batch, *_plan_budget(lora, results[HF_GC]["peak"], base))
             losses[PLAN] = hf_loss
             notes.append(f"{PLAN}: {note}")
             measure(PLAN)
@@ -232,21 +234,29 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     return table, failed
 
 
-def _planned(base: torch.nn.Module, batch: dict, hf_gc_peak: int) -> tuple[torch.nn.Module, str]:
+def _plan_budget(lora: bool, hf_gc_peak: int, base: torch.nn.Module) -> tuple[int, str]:
+    """The plan row's budget in bytes (PLAN_FRACTION of the workload's target quantity), and how it was set."""
+    fraction = PLAN_FRACTION["llama-lora" if lora else "llama-full"]
+    if lora:
+        return int(fraction * hf_gc_peak), f"{fraction:.0%} of HF GC's peak"
+    grads = _trained_bytes(base)
+    return int(grads + fraction * (hf_gc_peak - grads)), f"the gradients + {fraction:.0%} of HF GC's peak less them"
+
+
+def _planned(base: torch.nn.Module, batch: dict, budget: int, set_as: str) -> tuple[torch.nn.Module, str]:
     """The plan row: the loss head and padded attention on, the decoder layers and the loss head's chunk planned
-    (hf.measure, then the plan) for PLAN_FRACTION of HF GC's whole-step peak (its smallest plan when that is
+    (hf.measure, then the plan) for `budget` bytes (`set_as` says how it was set; the smallest plan when it is
     infeasible), with PLAN_MAX_ERROR."""
     model = copy.deepcopy(base)
     hf.enable(model, loss_head=True, padded_attention=True)
     with quiet_profiler_logs():  # the planner's CPU memory trace runs the profiler
         measurements = hf.measure(model, batch, autocast=torch.bfloat16, repeats=1, max_error=PLAN_MAX_ERROR)
-    budget = int(PLAN_FRACTION * hf_gc_peak)
     try:
         plan = measurements.plan(budget)
-        note = f"budget {budget / 2**20:.1f} MiB ({PLAN_FRACTION:.0%} of HF GC's peak)"
+        note = f"budget {budget / 2**20:.1f} MiB ({set_as})"
     except ValueError:
         plan = measurements.smallest_plan()
-        note = f"{PLAN_FRACTION:.0%} of HF GC's peak is infeasible; smallest plan {plan.budget / 2**20:.1f} MiB"
+        note = f"{set_as} is infeasible; smallest plan {plan.budget / 2**20:.1f} MiB"
     note += f" (predicted {plan.predicted_peak / 2**20:.1f}, verified {plan.measured_peak / 2**20:.1f})"
     plan.apply()
     counts = {name: plan.policies.count(name) for name in dict.fromkeys(plan.policies)}

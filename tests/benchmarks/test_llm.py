@@ -25,6 +25,7 @@ def test_smoke_run_writes_every_row_and_the_scaling_figure(tmp_path):
             assert row["peak_x_hf_gc"] == 1.0 and row["time_x_hf_gc"] == 1.0
     full = [row for row in rows if row["workload"] == "llama-full"]
     assert full and all("peak_less_grads_MiB" in row for row in full)
+    assert llm.PLAN in {row["config"] for row in full}
     assert (tmp_path / "llm_scaling.png").stat().st_size > 0
     with open(tmp_path / "llm_scaling.csv") as f:
         points = list(csv.DictReader(f))
