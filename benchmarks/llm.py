@@ -11,14 +11,16 @@ A randomly initialised Hugging Face `LlamaForCausalLM` (GQA, SwiGLU, RoPE; hidde
 
 Rows, measured in the same process on the same weights and batch: plain; HF gradient checkpointing (torch's
 non-reentrant checkpoint: the reference of the 'x HF GC' columns); HF GC with torch's selective checkpointing
-(matmul and attention outputs saved); HF GC with a chunked loss written here (the head and cross entropy
-over token chunks, each chunk checkpointed: what a user can do without fastckpt); fastckpt's recompute+int8
-without fastckpt's whole-step options, recompute:int8+int8 with the loss head alone, and its policies with the
-loss head and padded attention (`fastckpt.integrations.hf.enable(..., loss_head=True, padded_attention=True)`: the
-head and loss a chunk of tokens at a time, attention without the [tokens x tokens] mask); a plan (`fastckpt.plan`
-at the workload's target, both options on: LoRA a third of HF GC's peak, the full fine-tune 0.4 of HF GC's peak
-less the gradients). Gradient error: relative L2 over all trained parameters' gradients against plain fp32 (no
-autocast), same weights and batch; 'x bf16' divides it by plain bf16 autocast's own.
+(matmul and attention outputs saved); HF GC with a chunked loss written here (the head and cross entropy over
+token chunks, each chunk checkpointed: what a user can do without fastckpt); on a GPU with liger-kernel
+installed, HF GC with Liger Kernel's fused linear cross entropy (the GPU peer of the loss head); fastckpt's
+recompute+int8 without fastckpt's whole-step options, recompute:int8+int8 with the loss head alone, and its
+policies with the loss head and padded attention (`fastckpt.integrations.hf.enable(..., loss_head=True,
+padded_attention=True)`: the head and loss a chunk of tokens at a time, attention without the [tokens x tokens]
+mask); a plan (`fastckpt.plan` at the workload's target, both options on: LoRA a third of HF GC's peak, the full
+fine-tune 0.4 of HF GC's peak less the gradients). Gradient error: relative L2 over all trained parameters'
+gradients against plain fp32 (no autocast), same weights and batch; 'x bf16' divides it by plain bf16 autocast's
+own.
 
 Then the scaling figure: the peak against sequence length and depth for plain, HF GC and fastckpt's best,
 with the fitted bytes per token per layer.
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import os
 import time
 from collections.abc import Callable
@@ -75,13 +78,18 @@ def hf_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     return model(**batch, use_cache=False).loss
 
 
+def _shifted(model: torch.nn.Module, batch: dict) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
+    """The causal LM, its decoder's last hidden states [tokens - 1, hidden] and the labels they predict: the
+    inputs of a loss computed outside HF's forward."""
+    causal_lm = _causal_lm(model)
+    hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+    return causal_lm, hidden.last_hidden_state[:, :-1].reshape(-1, HIDDEN), batch["labels"][:, 1:].reshape(-1)
+
+
 def chunked_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
     """The reference a user writes without fastckpt: the decoder's hidden states, then the head and the
     cross entropy per token chunk, each chunk checkpointed so that only one chunk's logits are alive."""
-    causal_lm = _causal_lm(model)
-    hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    hidden = hidden.last_hidden_state[:, :-1].reshape(-1, HIDDEN)
-    labels = batch["labels"][:, 1:].reshape(-1)
+    causal_lm, hidden, labels = _shifted(model, batch)
     count = (labels != -100).sum()
 
     def chunk_loss(h: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -93,6 +101,27 @@ def chunked_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
         for h, y in zip(hidden.chunk(LOSS_CHUNKS), labels.chunk(LOSS_CHUNKS), strict=True)
     )
     return total / count
+
+
+def liger_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """Liger Kernel's fused linear cross entropy (Triton: GPU only) on the decoder's hidden states: the head's
+    gradient computed in the forward, a chunk of logits at a time; the GPU peer of fastckpt's loss head."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    causal_lm, hidden, labels = _shifted(model, batch)
+    return liger_fused_linear_cross_entropy(hidden.contiguous(), causal_lm.lm_head.weight, labels, ignore_index=-100)
+
+
+LIGER = "HF GC + Liger fused linear cross entropy"
+
+
+def liger_available(device: torch.device) -> str | None:
+    """Why the Liger row is left out on `device`, or None when it runs."""
+    if device.type != "cuda":
+        return "Liger Kernel's Triton kernels need a GPU"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    return None
 
 
 def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
@@ -117,13 +146,15 @@ WHOLE_STEP = "loss head + padded attention"  # hf.enable(loss_head=True, padded_
 BEST = f"fastckpt recompute:int8+int8 + {WHOLE_STEP}"  # the tables' lowest peak: the scaling figure's row
 
 
-def rows() -> list[Row]:
+def rows(device: torch.device) -> list[Row]:
     found = [
         Row(PLAIN, lambda model: None),
         Row(HF_GC, _hf_gc),
         Row("HF GC + torch SAC", _sac),
         Row("HF GC + chunked loss", _hf_gc, chunked_loss),
     ]
+    if liger_available(device) is None:
+        found.append(Row(LIGER, _hf_gc, liger_loss))
     # Without the whole-step options only the policy whose time matches HF GC's (the others' peaks are the same
     # head), and the lowest-peak policy with the loss head alone (what padded attention adds).
     found.append(Row("fastckpt recompute+int8", _fastckpt("recompute+int8", False)))
@@ -187,7 +218,7 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     reference = _gradients(reference_model)
     del reference_model
     models, losses, failed = {}, {}, {}
-    for row in rows():
+    for row in rows(device):
         try:
             model = copy.deepcopy(base)
             row.prepare(model)
@@ -216,7 +247,8 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
 
     for name in list(models):
         measure(name)
-    notes = []
+    left_out = liger_available(device)
+    notes = [] if left_out is None else [f"{LIGER}: left out ({left_out})"]
     if HF_GC in results:
         try:
             models[PLAN], note = _planned(base, batch, *_plan_budget(lora, results[HF_GC]["peak"], base))

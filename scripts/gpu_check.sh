@@ -18,6 +18,13 @@ export FASTCKPT_CUDA=1 TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_J
 export PYTHONUNBUFFERED=1
 py="${PYTHON:-python3}"
 status=()
+# Packages the image lacks travel as wheels in .whl/ (git-ignored; name it in the device tool's `carry`):
+# liger-kernel, for the llm section's Liger row. Fetch them here with
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 -d .whl liger-kernel==0.8.5
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fastckpt-site .whl/*.whl \
+    && export PYTHONPATH="/tmp/fastckpt-site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 step() {  # step NAME TIMEOUT_S CMD...: run with a deadline, log to $logs/NAME.log, record its status
   local name=$1 limit=$2
@@ -41,7 +48,8 @@ if step build 150 "$py" setup.py build_ext --inplace; then
   step bench_ops 50 "$py" -m benchmarks ops --device cuda --out "$bench"
   step bench_train 30 "$py" -m benchmarks train --device cuda --quick --out "$bench"
   step bench_offload 25 "$py" -m benchmarks offload --device cuda --quick --out "$bench"
-  # The whole step of a bf16 Llama fine-tune (8 layers; needs transformers and peft in the image).
+  # The whole step of a bf16 Llama fine-tune (8 layers; needs transformers and peft in the image; with
+  # liger-kernel from .whl/, Liger's fused linear cross entropy as a peer row).
   step bench_llm 35 "$py" -m benchmarks llm --device cuda --quick --out "$bench"
   # The seed CNN's four torch.cuda memory numbers, next to the classic write-up's 69.58 -> 40.80 MB.
   step cifar_cnn 25 "$py" examples/cifar10_cnn.py --device cuda --steps 10 --mode plain --mode torch \

@@ -45,3 +45,29 @@ def test_a_cpu_without_native_bf16_is_warned_about():
     assert llm.slow_bf16_warning(1.5) is None
     assert "100x slower than fp32" in llm.slow_bf16_warning(100.0)
     assert llm.bf16_slowdown(size=64) > 0
+
+
+def test_the_liger_row_runs_only_on_a_gpu_with_liger_installed(monkeypatch):
+    assert "GPU" in llm.liger_available(torch.device("cpu"))
+    assert llm.LIGER not in {row.name for row in llm.rows(torch.device("cpu"))}
+    monkeypatch.setattr(llm.importlib.util, "find_spec", lambda name: object() if name == "liger_kernel" else None)
+    assert llm.liger_available(torch.device("cuda")) is None
+    assert llm.LIGER in {row.name for row in llm.rows(torch.device("cuda"))}
+
+
+def test_the_liger_loss_is_hf_loss_given_liger_semantics(monkeypatch):
+    """liger_loss hands Liger the shifted hidden states and labels: with a stand-in for Liger's function (its
+    documented semantics: mean cross entropy of input @ weight.T over labels not ignore_index), HF's loss."""
+    import sys
+    import types
+
+    def fused(input, weight, target, ignore_index=-100):  # noqa: A002 (Liger's argument names)
+        return torch.nn.functional.cross_entropy(input @ weight.T, target, ignore_index=ignore_index)
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = fused
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", types.ModuleType("liger_kernel.transformers"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
+    model, batch = llm.build(lora=True, layers=1, tokens=32, device=torch.device("cpu"))
+    torch.testing.assert_close(llm.liger_loss(model, batch), llm.hf_loss(model, batch))
