@@ -57,10 +57,10 @@ HF_GC = "HF GC"
 PLAN = "fastckpt plan + loss head + padded attention"
 # The plan rows' budgets, the targets': LoRA a third of HF GC's whole-step peak; the full fine-tune 0.4 of HF GC's
 # peak less the parameter gradients (which no checkpointing removes), plus those gradients.
-PLAN_FRACTION = {"llama-lora": 1 / 3, "llama-full": 0.4}
+PLAN_FRACTION = {True: 1 / 3, False: 0.4}  # by `lora`
 # The planner's bound (hf.PLAN_MAX_ERROR, enable(budget=)'s default): its error is the largest relative L2 error
-# of one parameter's gradient against the plain bf16 step (not fp32); the int8 forms' (1.2-1.3x bf16's own error
-# against fp32 in this table's measure) are within it, the int4 forms' (7x) are not.
+# of one parameter's gradient against the plain bf16 step (not fp32); the int8 forms' (1.05-1.3x bf16's own error
+# against fp32 in this table's measure) are within it, the int4 forms' (5-8x) are not.
 PLAN_MAX_ERROR = hf.PLAN_MAX_ERROR
 PLAIN = "plain"
 
@@ -268,7 +268,7 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
 
 def _plan_budget(lora: bool, hf_gc_peak: int, base: torch.nn.Module) -> tuple[int, str]:
     """The plan row's budget in bytes (PLAN_FRACTION of the workload's target quantity), and how it was set."""
-    fraction = PLAN_FRACTION["llama-lora" if lora else "llama-full"]
+    fraction = PLAN_FRACTION[lora]
     if lora:
         return int(fraction * hf_gc_peak), f"{fraction:.0%} of HF GC's peak"
     grads = _trained_bytes(base)
