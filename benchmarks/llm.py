@@ -17,7 +17,7 @@ installed, HF GC with Liger Kernel's fused linear cross entropy (the GPU peer of
 recompute+int8 without fastckpt's whole-step options, recompute:int8+int8 with the loss head alone, and its
 policies with the loss head and padded attention (`fastckpt.integrations.hf.enable(..., loss_head=True,
 padded_attention=True)`: the head and loss a chunk of tokens at a time, attention without the [tokens x tokens]
-mask); a plan (`fastckpt.plan` at the workload's target, both options on: LoRA a third of HF GC's peak, the full
+mask); a plan (`fastckpt.plan` at the workload's target, both options on: LoRA 0.33 of HF GC's peak, the full
 fine-tune 0.4 of HF GC's peak less the gradients). Gradient error: relative L2 over all trained parameters'
 gradients against plain fp32 (no autocast), same weights and batch; 'x bf16' divides it by plain bf16 autocast's
 own.
@@ -55,9 +55,9 @@ SCALING_TOKENS = {"full": 1024, "quick": 1024, "smoke": 64}
 LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this many token chunks
 HF_GC = "HF GC"
 PLAN = "fastckpt plan + loss head + padded attention"
-# The plan rows' budgets, the targets': LoRA a third of HF GC's whole-step peak; the full fine-tune 0.4 of HF GC's
+# The plan rows' budgets, the targets': LoRA 0.33 of HF GC's whole-step peak; the full fine-tune 0.4 of HF GC's
 # peak less the parameter gradients (which no checkpointing removes), plus those gradients.
-PLAN_FRACTION = {True: 1 / 3, False: 0.4}  # by `lora`
+PLAN_FRACTION = {True: 0.33, False: 0.4}  # by `lora`
 # The planner's bound (hf.PLAN_MAX_ERROR, enable(budget=)'s default): its error is the largest relative L2 error
 # of one parameter's gradient against the plain bf16 step (not fp32); the int8 forms' (1.05-1.3x bf16's own error
 # against fp32 in this table's measure) are within it, the int4 forms' (5-8x) are not.
