@@ -46,7 +46,7 @@ from fastckpt.integrations import hf
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 256, 688, 4, 2, 4096
 LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 # (layers, tokens, warm-up steps, timed rounds) per size; scaling: (lengths at SCALING_DEPTH, depths at 1024)
-SIZES = {"full": (16, 1024, 0, 3), "quick": (8, 1024, 0, 3), "smoke": (2, 64, 0, 1)}  # the trial step warms up
+SIZES = {"full": (16, 1024, 0, 5), "quick": (8, 1024, 0, 3), "smoke": (2, 64, 0, 1)}  # the trial step warms up
 SCALING = {"full": ((512, 1024, 2048, 4096), (8, 16, 24, 32)), "quick": ((512, 1024, 2048), (8, 16)),
            "smoke": ((32, 64), (1, 2))}  # fmt: skip
 LONG_ROUNDS = 2  # timed rounds of HF GC and BEST at the scaling figure's largest length
