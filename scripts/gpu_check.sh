@@ -46,13 +46,13 @@ if step build 150 "$py" setup.py build_ext --inplace; then
   # The four workloads only: the planner and compile sections would not fit the deadline.
   step bench 80 "$py" -m benchmarks checkpoint --device cuda --workloads seed-cnn,gpt2,gpt2-long,llama --out "$bench"
   step bench_ops 50 "$py" -m benchmarks ops --device cuda --out "$bench"
-  step bench_train 30 "$py" -m benchmarks train --device cuda --quick --out "$bench"
+  step bench_train 25 "$py" -m benchmarks train --device cuda --quick --out "$bench"
   step bench_offload 25 "$py" -m benchmarks offload --device cuda --quick --out "$bench"
   # The whole step of a bf16 Llama fine-tune (8 layers; needs transformers and peft in the image; with
   # liger-kernel from .whl/, Liger's fused linear cross entropy as a peer row).
-  step bench_llm 35 "$py" -m benchmarks llm --device cuda --quick --out "$bench"
+  step bench_llm 45 "$py" -m benchmarks llm --device cuda --quick --out "$bench"
   # The seed CNN's four torch.cuda memory numbers, next to the classic write-up's 69.58 -> 40.80 MB.
-  step cifar_cnn 25 "$py" examples/cifar10_cnn.py --device cuda --steps 10 --mode plain --mode torch \
+  step cifar_cnn 20 "$py" examples/cifar10_cnn.py --device cuda --steps 10 --mode plain --mode torch \
     --mode fastckpt:recompute --mode fastckpt:int8 --mode fastckpt:int4
 fi
 
