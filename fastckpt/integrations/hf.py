@@ -130,6 +130,12 @@ def _enable_through_fastckpt(
         _FirstBatchPlan.check(budget, plan_options)
     _FirstBatchPlan.remove(model)
     type(model).activation_checkpointing_enable(model, every_n_layers=every_n_layers)
+    if not function.keywords.get("use_reentrant") and hasattr(model, "disable_input_require_grads"):
+        # HF's enable makes the input embeddings' output require grad, which reentrant checkpointing needs (a
+        # segment input that does); the non-reentrant one does not. With frozen embeddings (LoRA) that output is
+        # then a leaf: held all step by its gradient accumulator, given a gradient nobody reads, and kept plain
+        # by a storage policy (a leaf that requires grad is kept as a parameter is).
+        model.disable_input_require_grads()
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = function

@@ -189,6 +189,33 @@ def test_peft_lora_frozen_base_gets_adapter_grads(model):
         assert torch.equal(grads[name], expected_grads[name]), name
 
 
+def test_non_reentrant_lora_leaves_the_embeddings_output_out_of_autograd():
+    # HF's enable makes the frozen embeddings' output require grad (reentrant checkpointing needs it): a leaf then,
+    # held by its gradient accumulator for the whole step and kept plain by storage policies. Non-reentrant
+    # checkpointing does not need it: enable removes it, and the step is the same bit for bit.
+    peft = pytest.importorskip("peft")
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    plain = peft.get_peft_model(tiny_llama(), config)
+    ids = batch()
+    outputs = {}
+    for name, kwargs in {"non-reentrant": {}, "reentrant": {"use_reentrant": True}}.items():
+        outputs[name], loss, grads = _embeddings_output_and_step(hf.enable(copy.deepcopy(plain), **kwargs), ids)
+        expected_loss, expected_grads = train_step(hf_own(plain, **kwargs), ids)
+        assert torch.equal(loss, expected_loss) and grads.keys() == expected_grads.keys()
+        assert all(torch.equal(grads[k], expected_grads[k]) for k in expected_grads)
+    assert not outputs["non-reentrant"].requires_grad
+    assert outputs["reentrant"].requires_grad and outputs["reentrant"].is_leaf  # its segments need an input that does
+
+
+def _embeddings_output_and_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """A PEFT model's input embeddings' output in a train_step, and that step's loss and gradients."""
+    seen = []
+    hook = model.get_base_model().get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(out))
+    loss, grads = train_step(model, ids)
+    hook.remove()
+    return seen[0], loss, grads
+
+
 def test_lora_input_casts_that_autocast_undoes_are_dropped_bit_for_bit():
     # PEFT casts a LoRA layer's bf16 input to its fp32 weights' dtype and autocast casts it back: enable drops
     # that cast under autocast (no fp32 copy of the activation, no fp32 gradient), with the same step bit for bit.
