@@ -60,7 +60,7 @@ PLAN = "fastckpt plan + loss head + padded attention"
 PLAN_FRACTION = {True: 0.33, False: 0.4}  # by `lora`
 # The planner's bound (hf.PLAN_MAX_ERROR, enable(budget=)'s default): its error is the largest relative L2 error
 # of one parameter's gradient against the plain bf16 step (not fp32); the int8 forms' (1.05-1.3x bf16's own error
-# against fp32 in this table's measure) are within it, the int4 forms' (5-8x) are not.
+# against fp32 in this table's measure) are within it, the int4 forms' (5-10x) are not.
 PLAN_MAX_ERROR = hf.PLAN_MAX_ERROR
 PLAIN = "plain"
 
