@@ -146,14 +146,15 @@ WHOLE_STEP = "loss head + padded attention"  # hf.enable(loss_head=True, padded_
 BEST = f"fastckpt recompute:int8+int8 + {WHOLE_STEP}"  # the tables' lowest peak: the scaling figure's row
 
 
-def rows(device: torch.device) -> list[Row]:
+def rows(liger: bool = False) -> list[Row]:
+    """The table's configurations; `liger`: with the Liger peer row (where liger_available says it runs)."""
     found = [
         Row(PLAIN, lambda model: None),
         Row(HF_GC, _hf_gc),
         Row("HF GC + torch SAC", _sac),
         Row("HF GC + chunked loss", _hf_gc, chunked_loss),
     ]
-    if liger_available(device) is None:
+    if liger:
         found.append(Row(LIGER, _hf_gc, liger_loss))
     # Without the whole-step options only the policy whose time matches HF GC's (the others' peaks are the same
     # head), and the lowest-peak policy with the loss head alone (what padded attention adds).
@@ -218,7 +219,8 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     reference = _gradients(reference_model)
     del reference_model
     models, losses, failed = {}, {}, {}
-    for row in rows(device):
+    left_out = liger_available(device)
+    for row in rows(liger=left_out is None):
         try:
             model = copy.deepcopy(base)
             row.prepare(model)
@@ -247,7 +249,6 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
 
     for name in list(models):
         measure(name)
-    left_out = liger_available(device)
     notes = [] if left_out is None else [f"{LIGER}: left out ({left_out})"]
     if HF_GC in results:
         try:

@@ -49,10 +49,12 @@ def test_a_cpu_without_native_bf16_is_warned_about():
 
 def test_the_liger_row_runs_only_on_a_gpu_with_liger_installed(monkeypatch):
     assert "GPU" in llm.liger_available(torch.device("cpu"))
-    assert llm.LIGER not in {row.name for row in llm.rows(torch.device("cpu"))}
+    monkeypatch.setattr(llm.importlib.util, "find_spec", lambda name: None)
+    assert "not installed" in llm.liger_available(torch.device("cuda"))
     monkeypatch.setattr(llm.importlib.util, "find_spec", lambda name: object() if name == "liger_kernel" else None)
     assert llm.liger_available(torch.device("cuda")) is None
-    assert llm.LIGER in {row.name for row in llm.rows(torch.device("cuda"))}
+    assert llm.LIGER not in {row.name for row in llm.rows()}
+    assert llm.LIGER in {row.name for row in llm.rows(liger=True)}
 
 
 def test_the_liger_loss_is_hf_loss_given_liger_semantics(monkeypatch):
