@@ -1,12 +1,12 @@
 """Hugging Face transformers: gradient checkpointing through fastckpt, with HF's own layer selection.
 
-`enable(model, policy="int8")` turns on the model's activation checkpointing exactly as
-`model.activation_checkpointing_enable()` does (same layers, `every_n_layers`, `use_cache`
-handling, input-embedding grads for adapters), then points every checkpointing layer at
-`fastckpt.checkpoint` instead of torch's. It also replaces the model's own
-`activation_checkpointing_enable` on this instance, so that a later call of it (which is what
-`transformers.Trainer` does for `gradient_checkpointing=True`) keeps using fastckpt instead of
-silently switching back to torch's function.
+`enable(model, policy="int8")` turns on the model's activation checkpointing as
+`model.activation_checkpointing_enable()` does (same layers, `every_n_layers`, `use_cache` handling;
+the input embeddings' output made to require grad only for `use_reentrant=True`, which needs it),
+then points every checkpointing layer at `fastckpt.checkpoint` instead of torch's. It also replaces
+the model's own `activation_checkpointing_enable` on this instance, so that a later call of it
+(which is what `transformers.Trainer` does for `gradient_checkpointing=True`) keeps using fastckpt
+instead of silently switching back to torch's function.
 
 `enable(model, loss_head=True)` also computes a causal LM's training loss through
 `fastckpt.linear_cross_entropy` (the LM head and cross entropy a chunk of tokens at a time, no full
