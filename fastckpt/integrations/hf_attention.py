@@ -8,10 +8,16 @@ queries causally over the L real keys (`is_causal=True`: the kernel skips the up
 padding queries over all L real keys (what the mask lets them see). No mask is materialised, the result is
 the same up to the kernels' summation order, and the attention's time is about halved.
 
+The mask itself is not built either: where the model asks for a causal mask over a right-padded 2D attention
+mask, the registered mask function returns a `RightPaddedCausalMask`, the rows' lengths in the mask's shape
+(HF's boolean mask is [batch, tokens, tokens] bytes, held from the forward to the end of the backward by every
+checkpointed layer: 16 MiB for one row of 4,096 tokens). Anything but this attention that uses it gets the
+full mask computed for that use, so no code sees other values than HF's.
+
 Installed by `fastckpt.integrations.hf.enable(model, padded_attention=True)` as an attention implementation
-registered with transformers (`AttentionInterface`), named `fastckpt_sdpa`, on a model that uses "sdpa".
-Every call whose mask is not recognised (sliding windows, packed sequences, left padding, dropout, a KV
-cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward` unchanged.
+registered with transformers (`AttentionInterface`, `AttentionMaskInterface`), named `fastckpt_sdpa`, on a
+model that uses "sdpa". Every call whose mask is not recognised (sliding windows, packed sequences, left
+padding, dropout, a KV cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward` unchanged.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 NAME = "fastckpt_sdpa"
 _RECOGNISED = "_fastckpt_right_padding"  # (mask._version, lengths or None), set on the mask tensor
@@ -32,13 +39,84 @@ def _hf_sdpa() -> Any:
 
 
 def register() -> None:
-    """Register NAME with transformers' attention and mask interfaces (idempotent). The mask function is the
-    one "sdpa" uses: the model builds the same masks, and the calls that are not decomposed receive them."""
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    """Register NAME with transformers' attention and mask interfaces (idempotent)."""
+    from transformers.masking_utils import AttentionMaskInterface
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(NAME, attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, mask)
+
+
+class RightPaddedCausalMask(torch.Tensor):
+    """HF's boolean [batch, 1, tokens, tokens] mask of causal attention over right-padded rows, held as which
+    keys are real ([batch, tokens]) and the rows' lengths. It has no elements of its own: `attention` reads
+    `lengths`; any op on it (HF's sdpa slicing it, an eager model adding it) runs on the full mask, computed
+    for that op. Detaching it (as checkpointing does with its arguments) keeps it a RightPaddedCausalMask."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # ops reach __torch_dispatch__
+
+    @staticmethod
+    def __new__(cls, real_keys: torch.Tensor, lengths: tuple[int, ...]) -> RightPaddedCausalMask:
+        batch, tokens = real_keys.shape
+        shape = (batch, 1, tokens, tokens)
+        mask = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bool, device=real_keys.device)
+        mask.real_keys, mask.lengths = real_keys, lengths
+        return mask
+
+    def full(self) -> torch.Tensor:
+        """The mask HF's sdpa_mask builds: query q sees key k when k <= q and k is a real token."""
+        positions = torch.arange(self.shape[-1], device=self.device)
+        return ((positions[None, :] <= positions[:, None]) & self.real_keys[:, None, :])[:, None]
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[int, ...]]:
+        """The tensors it holds (torch's protocol for wrapper subclasses; the planner follows their memory)."""
+        return ["real_keys"], self.lengths
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict, lengths: tuple[int, ...], size: Any, stride: Any) -> RightPaddedCausalMask:
+        return RightPaddedCausalMask(inner["real_keys"], lengths)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"RightPaddedCausalMask(shape={tuple(self.shape)}, lengths={self.lengths})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return cls(args[0].real_keys, args[0].lengths)
+        args, kwargs = tree_map_only(cls, cls.full, (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+
+def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """NAME's mask function: a RightPaddedCausalMask where transformers' `sdpa_mask` would build a causal mask
+    over right-padded rows from the start of the sequence (no cache offset, no window or other mask
+    function, not traced); `sdpa_mask`'s own result otherwise (None where no mask is needed)."""
+    from transformers.masking_utils import causal_mask_function, sdpa_mask
+
+    padding = kwargs.get("attention_mask")
+    tokens = kwargs.get("q_length")
+    if (
+        args
+        or type(padding) is not torch.Tensor
+        or padding.dim() != 2
+        or padding.dtype != torch.bool  # as the models hand it (an integer one gives sdpa_mask another dtype)
+        or kwargs.get("mask_function", causal_mask_function) is not causal_mask_function
+        or kwargs.get("local_size") is not None
+        or kwargs.get("use_vmap", False)
+        or any(type(kwargs.get(k, 0)) is not int or kwargs.get(k, 0) != 0 for k in ("q_offset", "kv_offset"))
+        or kwargs.get("kv_length") != tokens
+        or tuple(padding.shape) != (kwargs.get("batch_size"), tokens)
+        or padding.device != torch.device(kwargs.get("device", padding.device))
+        or torch.compiler.is_compiling()
+        or torch.jit.is_tracing()
+    ):
+        return sdpa_mask(*args, **kwargs)
+    lengths = padding.sum(-1)
+    positions = torch.arange(tokens, device=padding.device)
+    padded = bool((lengths < tokens).any())
+    if not padded or not bool((lengths > 0).all()) or not torch.equal(padding, positions < lengths[:, None]):
+        return sdpa_mask(*args, **kwargs)  # no padding (None: is_causal), left padding, holes, empty rows
+    return RightPaddedCausalMask(padding, tuple(lengths.tolist()))
 
 
 def right_padding_lengths(mask: Any, batch: int, tokens: int) -> tuple[int, ...] | None:
@@ -92,7 +170,10 @@ def attention(
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
     )
-    if decomposable:
+    if decomposable and isinstance(attention_mask, RightPaddedCausalMask):
+        if attention_mask.shape[-1] == query.shape[2] and attention_mask.shape[0] == query.shape[0]:
+            lengths = attention_mask.lengths
+    elif decomposable:
         lengths = right_padding_lengths(attention_mask, query.shape[0], query.shape[2])
     if lengths is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -95,6 +95,19 @@ def _dense(t: Any) -> bool:
     return type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided and not t.is_nested
 
 
+def _held_tensors(leaves: list[Any]) -> list[torch.Tensor]:
+    """The dense tensors among `leaves`, a wrapper subclass (e.g. hf_attention's right-padded mask) standing
+    for the tensors it holds (torch's `__tensor_flatten__`)."""
+    tensors = []
+    for t in leaves:
+        if _dense(t):
+            tensors.append(t)
+        elif isinstance(t, torch.Tensor) and hasattr(t, "__tensor_flatten__"):
+            names, _ = t.__tensor_flatten__()
+            tensors += _held_tensors([getattr(t, name) for name in names])
+    return tensors
+
+
 class _Sharing:
     """What the segments of one traced run share, for mixes of candidates (fastckpt.planner.model): the tensors
     they take from before the first segment, which the model frees after the forward unless a segment holds
@@ -111,8 +124,7 @@ class _Sharing:
     def entering(self, index: int, leaves: list[Any]) -> None:
         """Segment `index`'s forward starts with these leaves of its arguments."""
         self.current = index
-        tensors = [t for t in leaves if _dense(t)]
-        for position, t in enumerate(tensors):
+        for position, t in enumerate(_held_tensors(leaves)):
             storage = t.untyped_storage()
             address = storage.data_ptr()
             made_by_a_segment = any(address in made for made in self.outputs.values())
@@ -126,9 +138,8 @@ class _Sharing:
     def left(self, index: int, leaves: list[Any]) -> None:
         """Segment `index`'s forward ended with these leaves of its output."""
         self.current = None
-        for t in leaves:
-            if _dense(t):
-                self.outputs.setdefault(index, set()).add(t.untyped_storage().data_ptr())
+        for t in _held_tensors(leaves):
+            self.outputs.setdefault(index, set()).add(t.untyped_storage().data_ptr())
 
     def stored(self, key: tuple, stored: Any, made: bool) -> None:
         """packer.observe_shared's callback: a form of a segment input, made or reused in a forward."""

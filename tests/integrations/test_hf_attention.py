@@ -185,6 +185,119 @@ def test_an_in_place_change_of_the_mask_is_seen(monkeypatch):
     assert hf_attention.right_padding_lengths(mask, 3, SEQ) is None
 
 
+# --------------------------------------------------------------------------------------------- mask function
+
+
+def _padding(case: str) -> torch.Tensor:
+    lengths = {"right": LENGTHS, "one-row": (9,), "none": (SEQ, SEQ, SEQ), "empty-row": (SEQ, 0, 5)}.get(case, LENGTHS)
+    padding = padded_batch(lengths, left=case == "left")["attention_mask"]
+    if case == "hole":
+        padding[2, 3] = 0
+    return padding if case == "integer" else padding.bool()  # the models hand the mask function a boolean one
+
+
+def _mask_arguments(padding: torch.Tensor, **overrides: Any) -> dict[str, Any]:
+    batch, tokens = padding.shape
+    arguments = {"batch_size": batch, "q_length": tokens, "kv_length": tokens, "attention_mask": padding}
+    return arguments | overrides
+
+
+@pytest.mark.parametrize("case", ["right", "one-row", "integer", "left", "hole", "none", "empty-row"])
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-allowed", "no-skip"])
+def test_the_mask_function_gives_sdpas_mask(case, skip):
+    """Same values as transformers' sdpa_mask, held as lengths exactly for right padding."""
+    from transformers.masking_utils import sdpa_mask
+
+    arguments = _mask_arguments(_padding(case), allow_is_causal_skip=skip)
+    ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
+    lazy = case in ("right", "one-row")
+    assert isinstance(ours, hf_attention.RightPaddedCausalMask) == lazy
+    if expected is None:
+        assert ours is None
+        return
+    full = ours.full() if lazy else ours
+    assert type(full) is torch.Tensor and full.dtype == expected.dtype and torch.equal(full, expected)
+    if lazy:
+        assert ours.shape == expected.shape and ours.dtype == torch.bool
+        assert ours.lengths == tuple(int(n) for n in _padding(case).sum(-1))
+
+
+@pytest.mark.parametrize("case", ["offset", "cache-offset-tensor", "longer-keys", "window", "vmap", "positional"])
+def test_the_mask_function_leaves_other_masks_to_sdpa_mask(case):
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    arguments = _mask_arguments(_padding("right"))
+    if case == "offset":
+        arguments |= {"q_offset": 2, "kv_offset": 2}
+    elif case == "cache-offset-tensor":
+        arguments |= {"q_offset": torch.tensor(0)}
+    elif case == "longer-keys":  # a cache: fewer queries than keys
+        arguments |= {"q_length": SEQ - 4}
+    elif case == "window":
+        arguments |= {"mask_function": sliding_window_causal_mask_function(4)}
+    elif case == "vmap":
+        arguments |= {"use_vmap": True}
+    if case == "positional":
+        sizes = [arguments.pop(k) for k in ("batch_size", "q_length", "kv_length")]
+        ours, expected = hf_attention.mask(*sizes, **arguments), sdpa_mask(*sizes, **arguments)
+    else:
+        ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
+    assert type(ours) is torch.Tensor and torch.equal(ours, expected)
+
+
+def test_any_op_on_the_mask_sees_sdpas_mask():
+    from transformers.masking_utils import sdpa_mask
+
+    padding = _padding("right")
+    ours, expected = hf_attention.mask(**_mask_arguments(padding)), sdpa_mask(**_mask_arguments(padding))
+    detached = ours.detach()  # what checkpointing does with its arguments: still no elements
+    assert isinstance(detached, hf_attention.RightPaddedCausalMask) and detached.lengths == LENGTHS
+    assert torch.equal(ours[:, :, :, :9], expected[:, :, :, :9])  # HF's sdpa slices it to the keys' length
+    scores = torch.randn(3, 2, SEQ, SEQ)
+    bias = torch.zeros(scores.shape).masked_fill(~ours, float("-inf"))  # an eager attention's float mask
+    assert torch.equal(bias, torch.zeros(scores.shape).masked_fill(~expected, float("-inf")))
+    q, k, v = torch.randn(3, 3, 2, SEQ, 8).unbind(0)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert torch.equal(sdpa(q, k, v, attn_mask=ours), sdpa(q, k, v, attn_mask=expected))
+    assert torch.equal(ours.clone(), expected) and type(ours.clone()) is torch.Tensor
+    assert "lengths=(16, 7, 11)" in repr(ours)
+
+
+def test_the_layers_get_the_lengths_and_no_mask_is_built(monkeypatch):
+    """A padded step: every attention call receives the lengths, nothing computes the full mask, and the
+    model's sdpa_mask is not called."""
+    model = hf.enable(build("llama"), policy="recompute+int8", padded_attention=True)
+    received, built = [], []
+    attention = hf_attention.attention
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        received.append(attention_mask)
+        return attention(module, query, key, value, attention_mask, **kwargs)
+
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, hf_attention.NAME, spy)
+    monkeypatch.setattr(hf_attention.RightPaddedCausalMask, "full", lambda self: built.append(self))
+    monkeypatch.setattr("transformers.masking_utils.sdpa_mask", lambda *a, **k: built.append("sdpa_mask"))
+    assert ALL_MASK_ATTENTION_FUNCTIONS[hf_attention.NAME] is hf_attention.mask
+    step(model, padded_batch())
+    assert len(received) == 2 * 2  # forward and recomputation, 2 layers
+    assert all(isinstance(m, hf_attention.RightPaddedCausalMask) and m.lengths == LENGTHS for m in received)
+    assert not built
+
+
+def test_a_compiled_layer_given_the_lengths_equals_hfs_sdpa():
+    """Layers compiled one by one get the mask from the uncompiled model: dynamo traces HF's sdpa on the full
+    mask (the decomposition is not compiled), with HF's results."""
+    model = build("llama")
+    expected = step(copy.deepcopy(model), padded_batch())
+    hf.enable(model, padded_attention=True)
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    assert_same(step(model, padded_batch()), expected)
+
+
 # --------------------------------------------------------------------------------------------- models
 
 
