@@ -76,6 +76,12 @@ class RightPaddedCausalMask(torch.Tensor):
     def __tensor_unflatten__(inner: dict, lengths: tuple[int, ...], size: Any, stride: Any) -> RightPaddedCausalMask:
         return RightPaddedCausalMask(inner["real_keys"], lengths)
 
+    def __deepcopy__(self, memo: dict) -> RightPaddedCausalMask:
+        return RightPaddedCausalMask(self.real_keys.clone(), self.lengths)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # saved (torch.save, pickle) as the full mask
+        return self.full().__reduce_ex__(protocol)
+
     def __repr__(self) -> str:  # type: ignore[override]
         return f"RightPaddedCausalMask(shape={tuple(self.shape)}, lengths={self.lengths})"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import io
 from typing import Any
 
 import pytest
@@ -261,6 +262,13 @@ def test_any_op_on_the_mask_sees_sdpas_mask():
     assert torch.equal(sdpa(q, k, v, attn_mask=ours), sdpa(q, k, v, attn_mask=expected))
     assert torch.equal(ours.clone(), expected) and type(ours.clone()) is torch.Tensor
     assert "lengths=(16, 7, 11)" in repr(ours)
+    copied = copy.deepcopy(ours)
+    assert isinstance(copied, hf_attention.RightPaddedCausalMask) and torch.equal(copied.full(), expected)
+    saved = io.BytesIO()
+    torch.save(ours, saved)
+    saved.seek(0)
+    loaded = torch.load(saved)
+    assert type(loaded) is torch.Tensor and torch.equal(loaded, expected)
 
 
 def test_the_layers_get_the_lengths_and_no_mask_is_built(monkeypatch):
