@@ -319,6 +319,29 @@ def test_loss_gradients_and_hidden_states_equal_hfs_sdpa(name, autocast):
     assert_same(step(model, padded_batch(), autocast), expected, bf16=autocast)
 
 
+@pytest.mark.parametrize("name", [arch.name for arch in test_hf_zoo.ARCHS])
+def test_every_architecture_of_the_sweep_gives_hfs_sdpa_results_or_is_refused(name):
+    """The architecture sweep's models (decoders, encoders, encoder-decoders, vision, speech) on their padded
+    batches: with padded attention, the checkpointed step's loss and gradients are those of the model's own
+    sdpa without checkpointing (within float32 summation order), or enable refuses, naming the option."""
+    arch = test_hf_zoo.BY_NAME[name]
+    reason = test_hf_zoo._supports(arch, "sdpa")
+    if reason:
+        pytest.skip(reason)
+    model = test_hf_zoo.model_copy(name, "sdpa", 0.0)
+    try:
+        hf.enable(model, padded_attention=True)
+    except ValueError as refusal:
+        assert "padded_attention=True" in str(refusal) and "enable without padded_attention" in str(refusal)
+        assert not hf.is_enabled(model) and model.config._attn_implementation == "sdpa"
+        return
+    ours = test_hf_zoo.train_step(model, test_hf_zoo.inputs_of(name), f"{name} padded attention")
+    expected = test_hf_zoo.plain_step(name, "sdpa", 0.0)
+    torch.testing.assert_close(ours.loss, expected.loss, rtol=1e-6, atol=0)
+    total, worst, worst_name = test_hf_zoo.relative_errors(ours.grads, expected.grads)
+    assert total <= 1e-5 and worst <= 1e-5, (total, worst, worst_name)
+
+
 def test_right_padded_attention_runs_without_a_mask(monkeypatch):
     model = hf.enable(build("llama"), padded_attention=True)
     counter = _CountMaskedSdpa(monkeypatch)
