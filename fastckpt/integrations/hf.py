@@ -108,6 +108,25 @@ def _check_options(kwargs: dict[str, Any]) -> None:
         )
 
 
+_REQUIRE_GRADS_HOOK_NAMES = ("make_inputs_require_grads", "make_inputs_require_grad")  # transformers', PEFT's
+
+
+def _remove_orphaned_require_grads_hooks(model: torch.nn.Module) -> None:
+    """Remove the input-embedding hooks that make the output require grad which transformers no longer holds
+    the handles of: each call of its `enable_input_require_grads` (made by its checkpointing enable, PEFT's
+    get_peft_model on a model with checkpointing on, `prepare_model_for_kbit_training`) registers one more and
+    keeps only the newest handles, so `disable_input_require_grads` leaves the earlier ones. PEFT registers its
+    own where the model has no such method. Recognised by the defining package and the function's name."""
+    for module in model.modules():
+        for key, hook in list(module._forward_hooks.items()):
+            package = (getattr(hook, "__module__", None) or "").partition(".")[0]
+            name = getattr(hook, "__name__", None)
+            if package in ("transformers", "peft") and name in _REQUIRE_GRADS_HOOK_NAMES:
+                del module._forward_hooks[key]
+                module._forward_hooks_with_kwargs.pop(key, None)
+                module._forward_hooks_always_called.pop(key, None)
+
+
 def _enable_through_fastckpt(
     model: torch.nn.Module,
     activation_checkpointing_kwargs: dict[str, Any] | None = None,
@@ -136,6 +155,7 @@ def _enable_through_fastckpt(
         # then a leaf: held all step by its gradient accumulator, given a gradient nobody reads, and kept plain
         # by a storage policy (a leaf that requires grad is kept as a parameter is).
         model.disable_input_require_grads()
+        _remove_orphaned_require_grads_hooks(model)
     for module in model.modules():
         if hasattr(module, "_gradient_checkpointing_func"):
             module._gradient_checkpointing_func = function

@@ -53,7 +53,11 @@ class RightPaddedCausalMask(torch.Tensor):
     `lengths`; any op on it (HF's sdpa slicing it, an eager model adding it) runs on the full mask, computed
     for that op. Detaching it (as checkpointing does with its arguments) keeps it a RightPaddedCausalMask."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # ops reach __torch_dispatch__
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
+        # Tensor's own would turn every result into this class; the ops go on to __torch_dispatch__ as they are.
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
     @staticmethod
     def __new__(cls, real_keys: torch.Tensor, lengths: tuple[int, ...]) -> RightPaddedCausalMask:

@@ -207,6 +207,28 @@ def test_non_reentrant_lora_leaves_the_embeddings_output_out_of_autograd():
     assert outputs["reentrant"].requires_grad and outputs["reentrant"].is_leaf  # its segments need an input that does
 
 
+@pytest.mark.parametrize("before", ["hf-checkpointing-before-peft", "prepare-model-for-kbit-training"])
+def test_require_grads_hooks_registered_before_enable_are_removed_too(before):
+    # Each enable_input_require_grads registers one more hook and transformers keeps only the newest handles:
+    # HF's checkpointing turned on before get_peft_model (PEFT calls it again), or PEFT's kbit preparation,
+    # leave hooks that disable_input_require_grads does not reach.
+    peft = pytest.importorskip("peft")
+    base = tiny_llama()
+    if before == "prepare-model-for-kbit-training":
+        base = peft.prepare_model_for_kbit_training(base, use_gradient_checkpointing=True)
+    else:
+        base.activation_checkpointing_enable()
+    config = peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    ids = batch()
+    expected_loss, expected_grads = train_step(hf_own(copy.deepcopy(model), use_reentrant=False), ids)
+    output, loss, grads = _embeddings_output_and_step(hf.enable(model), ids)
+    assert not output.requires_grad
+    assert torch.equal(loss, expected_loss) and all(torch.equal(grads[k], v) for k, v in expected_grads.items())
+    hf.enable(model, use_reentrant=True)  # which needs the output to require grad: HF's enable adds it back
+    assert _embeddings_output_and_step(model, ids)[0].requires_grad
+
+
 def _embeddings_output_and_step(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A PEFT model's input embeddings' output in a train_step, and that step's loss and gradients."""
     seen = []
