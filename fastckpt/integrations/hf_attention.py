@@ -47,11 +47,17 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mask)
 
 
-class RightPaddedCausalMask(torch.Tensor):
-    """HF's boolean [batch, 1, tokens, tokens] mask of causal attention over right-padded rows, held as which
-    keys are real ([batch, tokens]) and the rows' lengths. It has no elements of its own: `attention` reads
-    `lengths`; any op on it (HF's sdpa slicing it, an eager model adding it) runs on the full mask, computed
-    for that op. Detaching it (as checkpointing does with its arguments) keeps it a RightPaddedCausalMask."""
+Segment = tuple[int, int, int]  # (start, end of its real tokens, end): one sequence of a row and its padding
+
+
+class CausalSegmentsMask(torch.Tensor):
+    """HF's boolean [batch, 1, tokens, tokens] mask of causal attention within segments of each row, held as
+    the segments: `rows[b]` is row b's (start, real end, end) triples, `segment_ids` and `real_keys` ([batch,
+    tokens]) the same per token. Query q sees key k when both are in one segment, k <= q and k is real: a
+    right-padded row is one segment (its padding queries see every real key), a row of packed sequences one
+    segment per sequence. It has no elements of its own: `attention` reads `rows`; any op on it (HF's sdpa
+    slicing it, an eager model adding it) runs on the full mask, computed for that op. Detaching it (as
+    checkpointing does with its arguments) keeps it a CausalSegmentsMask."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
@@ -60,73 +66,138 @@ class RightPaddedCausalMask(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
     @staticmethod
-    def __new__(cls, real_keys: torch.Tensor, lengths: tuple[int, ...]) -> RightPaddedCausalMask:
+    def __new__(cls, segment_ids: torch.Tensor, real_keys: torch.Tensor, rows: tuple) -> CausalSegmentsMask:
         batch, tokens = real_keys.shape
         shape = (batch, 1, tokens, tokens)
         mask = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bool, device=real_keys.device)
-        mask.real_keys, mask.lengths = real_keys, lengths
+        mask.segment_ids, mask.real_keys, mask.rows = segment_ids, real_keys, rows
         return mask
 
-    def full(self) -> torch.Tensor:
-        """The mask HF's sdpa_mask builds: query q sees key k when k <= q and k is a real token."""
-        positions = torch.arange(self.shape[-1], device=self.device)
-        return ((positions[None, :] <= positions[:, None]) & self.real_keys[:, None, :])[:, None]
+    @classmethod
+    def of_rows(cls, rows: tuple[tuple[Segment, ...], ...], device: torch.device) -> CausalSegmentsMask:
+        tokens = rows[0][-1][2]
+        segment_ids = torch.zeros(len(rows), tokens, dtype=torch.int32)
+        real_keys = torch.zeros(len(rows), tokens, dtype=torch.bool)
+        for b, segments in enumerate(rows):
+            for index, (start, real_end, end) in enumerate(segments):
+                segment_ids[b, start:end] = index
+                real_keys[b, start:real_end] = True
+        return cls(segment_ids.to(device), real_keys.to(device), rows)
 
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[int, ...]]:
+    def full(self) -> torch.Tensor:
+        """The mask HF's sdpa_mask builds."""
+        positions = torch.arange(self.shape[-1], device=self.device)
+        causal = positions[None, :] <= positions[:, None]
+        same_segment = self.segment_ids[:, :, None] == self.segment_ids[:, None, :]
+        return (causal & same_segment & self.real_keys[:, None, :])[:, None]
+
+    def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         """The tensors it holds (torch's protocol for wrapper subclasses; the planner follows their memory)."""
-        return ["real_keys"], self.lengths
+        return ["segment_ids", "real_keys"], self.rows
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, lengths: tuple[int, ...], size: Any, stride: Any) -> RightPaddedCausalMask:
-        return RightPaddedCausalMask(inner["real_keys"], lengths)
+    def __tensor_unflatten__(inner: dict, rows: tuple, size: Any, stride: Any) -> CausalSegmentsMask:
+        return CausalSegmentsMask(inner["segment_ids"], inner["real_keys"], rows)
 
-    def __deepcopy__(self, memo: dict) -> RightPaddedCausalMask:
-        return RightPaddedCausalMask(self.real_keys.clone(), self.lengths)
+    def __deepcopy__(self, memo: dict) -> CausalSegmentsMask:
+        return CausalSegmentsMask(self.segment_ids.clone(), self.real_keys.clone(), self.rows)
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # saved (torch.save, pickle) as the full mask
         return self.full().__reduce_ex__(protocol)
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"RightPaddedCausalMask(shape={tuple(self.shape)}, lengths={self.lengths})"
+        return f"CausalSegmentsMask(shape={tuple(self.shape)}, rows={self.rows})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return cls(args[0].real_keys, args[0].lengths)
+            return cls(args[0].segment_ids, args[0].real_keys, args[0].rows)
         args, kwargs = tree_map_only(cls, cls.full, (args, kwargs or {}))
         return func(*args, **kwargs)
 
 
 def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-    """NAME's mask function: a RightPaddedCausalMask where transformers' `sdpa_mask` would build a causal mask
-    over right-padded rows from the start of the sequence (no cache offset, no window or other mask
-    function, not traced); `sdpa_mask`'s own result otherwise (None where no mask is needed)."""
+    """NAME's mask function: a CausalSegmentsMask where transformers' `sdpa_mask` would build a causal mask
+    over right-padded rows or over packed sequences, from the start of the sequence (no cache offset, no
+    window, not traced); `sdpa_mask`'s own result otherwise (None where no mask is needed).
+
+    Right padding is read from the 2D attention mask (the full mask is never built). Packed sequences (HF
+    finds them from position ids that start again, without an attention mask) are read from the mask
+    `sdpa_mask` builds, which is then dropped: it exists only while the forward starts."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     padding = kwargs.get("attention_mask")
     tokens = kwargs.get("q_length")
-    if (
+    plain = not (
         args
-        or type(padding) is not torch.Tensor
-        or padding.dim() != 2
-        or padding.dtype != torch.bool  # as the models hand it (an integer one gives sdpa_mask another dtype)
-        or kwargs.get("mask_function", causal_mask_function) is not causal_mask_function
         or kwargs.get("local_size") is not None
         or kwargs.get("use_vmap", False)
         or any(type(kwargs.get(k, 0)) is not int or kwargs.get(k, 0) != 0 for k in ("q_offset", "kv_offset"))
         or kwargs.get("kv_length") != tokens
-        or tuple(padding.shape) != (kwargs.get("batch_size"), tokens)
-        or padding.device != torch.device(kwargs.get("device", padding.device))
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
-    ):
-        return sdpa_mask(*args, **kwargs)
+    )
+    causal = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
+    lengths = (
+        _right_padded(padding, kwargs.get("batch_size"), tokens, kwargs.get("device")) if plain and causal else None
+    )
+    if lengths is not None:
+        return CausalSegmentsMask.of_rows(tuple(((0, n, tokens),) for n in lengths), padding.device)
+    built = sdpa_mask(*args, **kwargs)
+    if plain and not causal and padding is None and isinstance(built, torch.Tensor):
+        rows = packed_sequences(built, tokens)
+        if rows is not None:
+            return CausalSegmentsMask.of_rows(rows, built.device)
+    return built
+
+
+def _right_padded(padding: Any, batch: Any, tokens: int, device: Any) -> list[int] | None:
+    """The rows' lengths when `padding` is a boolean [batch, tokens] attention mask of right-padded rows, at
+    least one of them padded and none empty (as the models hand it: an integer one gives sdpa_mask another
+    dtype); None otherwise."""
+    if type(padding) is not torch.Tensor or padding.dtype != torch.bool or tuple(padding.shape) != (batch, tokens):
+        return None
+    if padding.device != torch.device(device if device is not None else padding.device):
+        return None
     lengths = padding.sum(-1)
     positions = torch.arange(tokens, device=padding.device)
-    padded = bool((lengths < tokens).any())
-    if not padded or not bool((lengths > 0).all()) or not torch.equal(padding, positions < lengths[:, None]):
-        return sdpa_mask(*args, **kwargs)  # no padding (None: is_causal), left padding, holes, empty rows
-    return RightPaddedCausalMask(padding, tuple(lengths.tolist()))
+    padded = bool((lengths < tokens).any())  # without padding sdpa_mask returns None (is_causal)
+    if padded and bool((lengths > 0).all()) and torch.equal(padding, positions < lengths[:, None]):
+        return lengths.tolist()
+    return None
+
+
+def _equal_by_blocks(mask_rows: torch.Tensor, expected: Any, tokens: int) -> bool:
+    """mask_rows ([batch, tokens, tokens]) == expected(queries) for every block of queries (bounded memory)."""
+    step = max(1, _CHECK_ELEMENTS // (tokens * mask_rows.shape[0]))
+    for start in range(0, tokens, step):
+        queries = torch.arange(start, min(start + step, tokens), device=mask_rows.device)
+        if not torch.equal(mask_rows[:, start : start + step], expected(queries)):
+            return False
+    return True
+
+
+def packed_sequences(mask: torch.Tensor, tokens: int) -> tuple[tuple[Segment, ...], ...] | None:
+    """Per batch row, the segments of a boolean [batch, 1, tokens, tokens] mask that is exactly causal within
+    consecutive segments covering the row (packed sequences, no padding); None otherwise."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tokens, tokens):
+        return None
+    mask_rows = mask[:, 0]
+    if not bool(mask_rows.diagonal(dim1=-2, dim2=-1).all()):
+        return None
+    starts = mask_rows.to(torch.uint8).argmax(-1)  # per query, the first key it sees: its sequence's start
+    positions = torch.arange(tokens, device=mask.device)
+    first = starts == positions
+    if not bool((first | (starts == torch.cat([starts[:, :1], starts[:, :-1]], dim=-1))).all()):
+        return None
+    keys = positions[None, None, :]
+    if not _equal_by_blocks(mask_rows, lambda q: (keys >= starts[:, q, None]) & (keys <= q[None, :, None]), tokens):
+        return None
+    rows = []
+    for row in first.tolist():
+        begins = [i for i, is_first in enumerate(row) if is_first]
+        rows.append(tuple((b, e, e) for b, e in zip(begins, begins[1:] + [tokens], strict=True)))
+    return tuple(rows)
 
 
 def right_padding_lengths(mask: Any, batch: int, tokens: int) -> tuple[int, ...] | None:
@@ -141,18 +212,13 @@ def right_padding_lengths(mask: Any, batch: int, tokens: int) -> tuple[int, ...]
     cached = mask.__dict__.get(_RECOGNISED)
     if cached is not None and cached[0] == mask._version:
         return cached[1]
-    rows = mask[:, 0]
-    keys = rows[:, -1]  # the last query may see every real key: the key-validity of each row
+    mask_rows = mask[:, 0]
+    keys = mask_rows[:, -1]  # the last query may see every real key: the key-validity of each row
     lengths = keys.sum(-1)
     positions = torch.arange(tokens, device=mask.device)
     found = bool((lengths > 0).all()) and torch.equal(keys, positions < lengths[:, None])
-    step = max(1, _CHECK_ELEMENTS // (tokens * rows.shape[0]))
-    for start in range(0, tokens if found else 0, step):
-        queries = positions[start : start + step, None]
-        expected = (positions[None, :] <= queries) & keys[:, None, :]  # causal and a real key
-        if not torch.equal(rows[:, start : start + step], expected):
-            found = False
-            break
+    # causal and a real key
+    found = found and _equal_by_blocks(mask_rows, lambda q: (positions[None, :] <= q[:, None]) & keys[:, None], tokens)
     result = tuple(lengths.tolist()) if found else None
     mask.__dict__[_RECOGNISED] = (mask._version, result)
     return result
@@ -171,35 +237,41 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """HF's attention-interface signature; [batch, tokens, heads, head_dim] output as HF's sdpa returns it."""
     sdpa = _hf_sdpa()
-    lengths = None
+    batch, tokens = query.shape[0], query.shape[2]
+    rows = None  # per batch row (or one for all), its segments
     decomposable = (
         dropout == 0.0
         and kwargs.get("position_bias") is None
         and kwargs.get("cache") is None
-        and query.shape[2] == key.shape[2]
+        and tokens == key.shape[2]
         and not torch.compiler.is_compiling()
         and not torch.jit.is_tracing()
     )
-    if decomposable and isinstance(attention_mask, RightPaddedCausalMask):
-        if attention_mask.shape[-1] == query.shape[2] and attention_mask.shape[0] == query.shape[0]:
-            lengths = attention_mask.lengths
+    if decomposable and isinstance(attention_mask, CausalSegmentsMask):
+        if attention_mask.shape[0] == batch and attention_mask.shape[-1] == tokens:
+            rows = attention_mask.rows
     elif decomposable:
-        lengths = right_padding_lengths(attention_mask, query.shape[0], query.shape[2])
-    if lengths is None:
+        lengths = right_padding_lengths(attention_mask, batch, tokens)
+        rows = None if lengths is None else tuple(((0, n, tokens),) for n in lengths)
+    if rows is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                     is_causal=is_causal, **kwargs)  # fmt: skip
 
-    def rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, length: int) -> torch.Tensor:
-        """Rows of one length: real queries causally over the real keys, padding queries over all of them."""
-        k, v = k[:, :, :length], v[:, :, :length]
-        parts = [sdpa(module, q[:, :, :length], k, v, None, scaling=scaling, is_causal=True, **kwargs)[0]]
-        if length < q.shape[2]:
-            parts.append(sdpa(module, q[:, :, length:], k, v, None, scaling=scaling, is_causal=False, **kwargs)[0])
-        return torch.cat(parts, dim=1) if len(parts) > 1 else parts[0]
+    def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: int) -> torch.Tensor:
+        """One segment: its real queries causally over its real keys, its padding queries over all of them."""
+        k, v = k[:, :, :real], v[:, :, :real]
+        parts = [sdpa(module, q[:, :, :real], k, v, None, scaling=scaling, is_causal=True, **kwargs)[0]]
+        if real < q.shape[2]:
+            parts.append(sdpa(module, q[:, :, real:], k, v, None, scaling=scaling, is_causal=False, **kwargs)[0])
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    if len(set(lengths)) == 1:
-        return rows(query, key, value, lengths[0]), None
-    out = [rows(query[b : b + 1], key[b : b + 1], value[b : b + 1], n) for b, n in enumerate(lengths)]
+    def row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple[Segment, ...]) -> torch.Tensor:
+        parts = [segment(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], r - s) for s, r, e in segments]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    if len(set(rows)) == 1:
+        return row(query, key, value, rows[0]), None
+    out = [row(query[b : b + 1], key[b : b + 1], value[b : b + 1], segments) for b, segments in enumerate(rows)]
     return torch.cat(out, dim=0), None
 
 

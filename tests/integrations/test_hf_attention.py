@@ -95,6 +95,29 @@ def padded_batch(lengths: tuple[int, ...] = LENGTHS, left: bool = False) -> dict
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
+PACKED = ((5, 7, 4), (SEQ,), (3, 13))  # per row, the lengths of the sequences packed into it
+
+
+def packed_batch(rows: tuple[tuple[int, ...], ...] = PACKED) -> dict[str, torch.Tensor]:
+    """Sequences packed into rows without padding (as padding-free collators give them): position ids start
+    again at each sequence, no attention mask, and no label across a boundary."""
+    ids = torch.randint(4, VOCAB, (len(rows), SEQ), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.cat([torch.arange(n) for n in row])[None] for row in rows])
+    labels = ids.masked_fill(positions == 0, -100)
+    # use_cache=False: with a cache (a model's default in train mode without checkpointing) HF does not look for
+    # packed sequences and attends across them
+    return {"input_ids": ids, "position_ids": positions, "labels": labels, "use_cache": False}
+
+
+def _packed_rows(rows: tuple[tuple[int, ...], ...] = PACKED) -> tuple:
+    """The segments (start, real end, end) the mask function gives for `packed_batch(rows)`."""
+    result = []
+    for lengths in rows:
+        ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
+        result.append(tuple((end - n, end, end) for n, end in zip(lengths, ends, strict=True)))
+    return tuple(result)
+
+
 def step(model: torch.nn.Module, batch: dict, autocast: bool = False):
     """One train-mode step: loss, last hidden states (every position), every parameter's gradient."""
     model.train()
@@ -197,6 +220,9 @@ def _padding(case: str) -> torch.Tensor:
     return padding if case == "integer" else padding.bool()  # the models hand the mask function a boolean one
 
 
+_RIGHT_PADDED_ROWS = tuple(((0, n, SEQ),) for n in LENGTHS)  # one segment per row: (start, real end, end)
+
+
 def _mask_arguments(padding: torch.Tensor, **overrides: Any) -> dict[str, Any]:
     batch, tokens = padding.shape
     arguments = {"batch_size": batch, "q_length": tokens, "kv_length": tokens, "attention_mask": padding}
@@ -206,13 +232,13 @@ def _mask_arguments(padding: torch.Tensor, **overrides: Any) -> dict[str, Any]:
 @pytest.mark.parametrize("case", ["right", "one-row", "integer", "left", "hole", "none", "empty-row"])
 @pytest.mark.parametrize("skip", [True, False], ids=["skip-allowed", "no-skip"])
 def test_the_mask_function_gives_sdpas_mask(case, skip):
-    """Same values as transformers' sdpa_mask, held as lengths exactly for right padding."""
+    """Same values as transformers' sdpa_mask, held as segments exactly for right padding."""
     from transformers.masking_utils import sdpa_mask
 
     arguments = _mask_arguments(_padding(case), allow_is_causal_skip=skip)
     ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
     lazy = case in ("right", "one-row")
-    assert isinstance(ours, hf_attention.RightPaddedCausalMask) == lazy
+    assert isinstance(ours, hf_attention.CausalSegmentsMask) == lazy
     if expected is None:
         assert ours is None
         return
@@ -220,7 +246,7 @@ def test_the_mask_function_gives_sdpas_mask(case, skip):
     assert type(full) is torch.Tensor and full.dtype == expected.dtype and torch.equal(full, expected)
     if lazy:
         assert ours.shape == expected.shape and ours.dtype == torch.bool
-        assert ours.lengths == tuple(int(n) for n in _padding(case).sum(-1))
+        assert ours.rows == tuple(((0, int(n), SEQ),) for n in _padding(case).sum(-1))
 
 
 @pytest.mark.parametrize("case", ["offset", "cache-offset-tensor", "longer-keys", "window", "vmap", "positional"])
@@ -252,7 +278,7 @@ def test_any_op_on_the_mask_sees_sdpas_mask():
     padding = _padding("right")
     ours, expected = hf_attention.mask(**_mask_arguments(padding)), sdpa_mask(**_mask_arguments(padding))
     detached = ours.detach()  # what checkpointing does with its arguments: still no elements
-    assert isinstance(detached, hf_attention.RightPaddedCausalMask) and detached.lengths == LENGTHS
+    assert isinstance(detached, hf_attention.CausalSegmentsMask) and detached.rows == _RIGHT_PADDED_ROWS
     assert torch.equal(ours[:, :, :, :9], expected[:, :, :, :9])  # HF's sdpa slices it to the keys' length
     scores = torch.randn(3, 2, SEQ, SEQ)
     bias = torch.zeros(scores.shape).masked_fill(~ours, float("-inf"))  # an eager attention's float mask
@@ -261,14 +287,77 @@ def test_any_op_on_the_mask_sees_sdpas_mask():
     sdpa = torch.nn.functional.scaled_dot_product_attention
     assert torch.equal(sdpa(q, k, v, attn_mask=ours), sdpa(q, k, v, attn_mask=expected))
     assert torch.equal(ours.clone(), expected) and type(ours.clone()) is torch.Tensor
-    assert "lengths=(16, 7, 11)" in repr(ours)
+    assert f"rows={_RIGHT_PADDED_ROWS}" in repr(ours)
     copied = copy.deepcopy(ours)
-    assert isinstance(copied, hf_attention.RightPaddedCausalMask) and torch.equal(copied.full(), expected)
+    assert isinstance(copied, hf_attention.CausalSegmentsMask) and torch.equal(copied.full(), expected)
     saved = io.BytesIO()
     torch.save(ours, saved)
     saved.seek(0)
     loaded = torch.load(saved)
     assert type(loaded) is torch.Tensor and torch.equal(loaded, expected)
+
+
+def _block_causal(rows: tuple) -> torch.Tensor:
+    return hf_attention.CausalSegmentsMask.of_rows(_packed_rows(rows), torch.device("cpu")).full()
+
+
+def test_recognises_packed_sequences_per_row():
+    assert hf_attention.packed_sequences(_block_causal(PACKED), SEQ) == _packed_rows(PACKED)
+
+
+@pytest.mark.parametrize("case", ["padded", "sliding-window", "no-diagonal", "not-causal", "holes", "other-shape"])
+def test_other_masks_are_not_packed_sequences(case):
+    mask = _block_causal(PACKED)
+    positions = torch.arange(SEQ)
+    if case == "padded":  # packed sequences and padding at the end: HF builds it with an attention mask
+        mask = mask & (positions < 14)
+    elif case == "sliding-window":
+        mask = mask & (positions[:, None] - positions[None, :] < 3)
+    elif case == "no-diagonal":
+        mask = mask.clone()
+        mask[0, 0, 6, 6] = False
+    elif case == "not-causal":
+        mask = mask.clone()
+        mask[1, 0, 2, 3] = True
+    elif case == "holes":  # a key inside a sequence not seen by the queries after it
+        mask = mask.clone()
+        mask[2, 0, 8:, 5] = False
+    elif case == "other-shape":
+        mask = mask.expand(3, 2, SEQ, SEQ)
+    assert hf_attention.packed_sequences(mask, SEQ) is None
+
+
+def test_the_mask_function_gives_the_packed_sequences_of_sdpas_mask():
+    from transformers.masking_utils import create_causal_mask
+
+    model = build("llama")
+    batch = packed_batch()
+    embeds = model.get_input_embeddings()(batch["input_ids"])
+    arguments = {"inputs_embeds": embeds, "attention_mask": None, "past_key_values": None}
+    arguments["position_ids"] = batch["position_ids"]
+    expected = create_causal_mask(config=model.config, **arguments)
+    hf_attention.register()
+    model.config._attn_implementation = hf_attention.NAME
+    ours = create_causal_mask(config=model.config, **arguments)
+    assert isinstance(ours, hf_attention.CausalSegmentsMask) and ours.rows == _packed_rows()
+    assert torch.equal(ours.full(), expected)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_packed_sequences_give_hfs_sdpa_results(name, autocast):
+    model = build(name)
+    expected = step(copy.deepcopy(model), packed_batch(), autocast)
+    hf.enable(model, padded_attention=True)
+    assert_same(step(model, packed_batch(), autocast), expected, bf16=autocast)
+
+
+def test_packed_sequences_run_without_a_mask(monkeypatch):
+    model = hf.enable(build("llama"), padded_attention=True)
+    counter = _CountMaskedSdpa(monkeypatch)
+    step(model, packed_batch())
+    # forward and recomputation, 2 layers: a call per sequence
+    assert counter.masked == 0 and counter.unmasked == 2 * 2 * sum(len(row) for row in PACKED)
 
 
 def test_the_layers_get_the_lengths_and_no_mask_is_built(monkeypatch):
@@ -286,12 +375,12 @@ def test_the_layers_get_the_lengths_and_no_mask_is_built(monkeypatch):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, hf_attention.NAME, spy)
-    monkeypatch.setattr(hf_attention.RightPaddedCausalMask, "full", lambda self: built.append(self))
+    monkeypatch.setattr(hf_attention.CausalSegmentsMask, "full", lambda self: built.append(self))
     monkeypatch.setattr("transformers.masking_utils.sdpa_mask", lambda *a, **k: built.append("sdpa_mask"))
     assert ALL_MASK_ATTENTION_FUNCTIONS[hf_attention.NAME] is hf_attention.mask
     step(model, padded_batch())
     assert len(received) == 2 * 2  # forward and recomputation, 2 layers
-    assert all(isinstance(m, hf_attention.RightPaddedCausalMask) and m.lengths == LENGTHS for m in received)
+    assert all(isinstance(m, hf_attention.CausalSegmentsMask) and m.rows == _RIGHT_PADDED_ROWS for m in received)
     assert not built
 
 
