@@ -23,7 +23,11 @@ gradients against plain fp32 (no autocast), same weights and batch; 'x bf16' div
 own.
 
 Then the scaling figure: the peak against sequence length and depth for plain, HF GC and fastckpt's best,
-with the fitted bytes per token per layer.
+with the fitted bytes per token per layer. Last, packed sequences (llama-lora): one row of 4,096 tokens packed
+from eight sequences of different lengths without padding (position ids start again at each, no attention
+mask, no label across a boundary: what padding-free collators give), where HF builds a block-diagonal causal
+mask; HF GC against fastckpt's `recompute+int8` with the loss head, without and with padded attention (which
+runs attention per sequence without the mask).
 """
 
 from __future__ import annotations
@@ -52,6 +56,9 @@ SCALING = {"full": ((512, 1024, 2048, 4096), (8, 16, 24, 32)), "quick": ((512, 1
 LONG_ROUNDS = 2  # timed rounds of HF GC and BEST at the scaling figure's largest length
 SCALING_DEPTH = {"full": 16, "quick": 8, "smoke": 2}
 SCALING_TOKENS = {"full": 1024, "quick": 1024, "smoke": 64}
+# packed sequences: (layers, tokens, timed rounds) per size; the row's sequences' lengths are in these proportions
+PACKED_SIZES = {"full": (16, 4096, 2), "quick": (8, 2048, 1), "smoke": (2, 64, 1)}
+PACKED_WEIGHTS = (5, 3, 8, 2, 6, 4, 7, 1)
 LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this many token chunks
 HF_GC = "HF GC"
 PLAN = "fastckpt plan + loss head + padded attention"
@@ -480,6 +487,72 @@ def slow_bf16_warning(slowdown: float) -> str | None:
     )
 
 
+def packed_batch(tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """One row of sequences packed without padding: lengths in PACKED_WEIGHTS' proportions, position ids
+    starting again at each sequence, no attention mask, no label at a sequence's first token."""
+    lengths = [tokens * weight // sum(PACKED_WEIGHTS) for weight in PACKED_WEIGHTS]
+    lengths[-1] += tokens - sum(lengths)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.randint(1, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(3))
+    batch = {"input_ids": ids, "position_ids": positions, "labels": ids.masked_fill(positions == 0, -100)}
+    return {key: value.to(device) for key, value in batch.items()}
+
+
+PACKED_ROWS = {
+    HF_GC: _hf_gc,
+    "fastckpt recompute+int8 + loss head": _fastckpt("recompute+int8", True),
+    f"fastckpt recompute+int8 + {WHOLE_STEP}": _fastckpt("recompute+int8", True, padded=True),
+}
+
+
+def packed(size: str, device: torch.device, out: str | None) -> tuple[list[dict], dict[str, str]]:
+    """HF GC and fastckpt on one row of packed sequences (llama-lora): the table (peak, time, gradient error)
+    and the configurations whose timing failed."""
+    layers, tokens, rounds = PACKED_SIZES[size]
+    base, _ = build(True, layers, tokens, device)
+    batch = packed_batch(tokens, device)
+    reference = copy.deepcopy(base)
+    _step(reference, batch, hf_loss, autocast=False)
+    expected = _gradients(reference)
+    del reference
+    models, steps, results = {}, {}, {}
+    for config, prepare in {PLAIN: lambda m: None, **PACKED_ROWS}.items():
+        model = models[config] = copy.deepcopy(base)
+        prepare(model)
+
+        def step(model=model) -> None:
+            _step(model, batch, hf_loss)
+            model.zero_grad(set_to_none=True)
+
+        step()  # the trial step
+        peak = peak_bytes(lambda model=model: _step(model, batch, hf_loss), device)
+        results[config] = {"peak": peak, "error": relative_error(_gradients(model), expected)}
+        model.zero_grad(set_to_none=True)
+        steps[config] = step
+    times, failed = median_times({c: steps[c] for c in PACKED_ROWS}, device, 0, rounds)
+    print(f"\n== packed sequences (llama-lora): {layers} layers, 1 x {tokens} tokens packed from "
+          f"{len(PACKED_WEIGHTS)} sequences, bf16 autocast")  # fmt: skip
+    print(f"{'config':<62}{'peak MiB':>10}{'x HF GC':>9}{'ms/step':>10}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}")
+    table = []
+    for config, r in results.items():
+        row = {
+            "workload": "llama-lora-packed", "config": config, "layers": layers, "tokens": tokens,
+            "peak_MiB": r["peak"] / 2**20, "peak_x_hf_gc": r["peak"] / results[HF_GC]["peak"],
+            "ms_per_step": times[config] * 1e3 if config in times else None,
+            "time_x_hf_gc": times[config] / times[HF_GC] if config in times and HF_GC in times else None,
+            "grad_rel_l2": r["error"], "error_x_bf16": r["error"] / results[PLAIN]["error"],
+        }  # fmt: skip
+        table.append(row)
+        print(f"{config:<62}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
+              f"{_fmt(row['ms_per_step'], '.0f'):>10}{_fmt(row['time_x_hf_gc'], '.3f'):>9}"
+              f"{row['grad_rel_l2']:>10.2e}{row['error_x_bf16']:>8.2f}", flush=True)  # fmt: skip
+    for config, error in failed.items():
+        print(f"{config:<62}FAILED: {error}")
+    if out:
+        write_csv(table, out, "llm_packed.csv")
+    return table, failed
+
+
 def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False) -> list[dict]:
     size = "smoke" if smoke else "quick" if quick else "full"
     dev = torch.device(device)
@@ -492,7 +565,8 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke
         write_csv(lora, out, "llm_lora.csv")
         write_csv(full, out, "llm_full.csv")
     scaling(size, dev, out)
-    failed = {**lora_failed, **full_failed}
+    packed_table, packed_failed = packed(size, dev, out)
+    failed = {**lora_failed, **full_failed, **packed_failed}
     if failed:
         raise SystemExit(f"{len(failed)} configuration(s) of the llm section failed; see its tables")
-    return lora + full
+    return lora + full + packed_table

@@ -26,6 +26,8 @@ def test_smoke_run_writes_every_row_and_the_scaling_figure(tmp_path):
     full = [row for row in rows if row["workload"] == "llama-full"]
     assert full and all("peak_less_grads_MiB" in row for row in full)
     assert llm.PLAN in {row["config"] for row in full}
+    packed = {row["config"] for row in rows if row["workload"] == "llama-lora-packed"}
+    assert packed == {llm.PLAIN, *llm.PACKED_ROWS} and (tmp_path / "llm_packed.csv").stat().st_size > 0
     assert (tmp_path / "llm_scaling.png").stat().st_size > 0
     with open(tmp_path / "llm_scaling.csv") as f:
         points = list(csv.DictReader(f))
@@ -33,6 +35,16 @@ def test_smoke_run_writes_every_row_and_the_scaling_figure(tmp_path):
     # --compare against itself: every row present on both sides, each ratio 1.
     lines = compare.compare_files(str(tmp_path / "llm_lora.csv"), str(tmp_path / "llm_lora.csv"))
     assert len(lines) == 1 + len(names) and all("1.000" in line for line in lines[1:])
+
+
+def test_the_packed_batch_is_sequences_of_the_given_proportions():
+    batch = llm.packed_batch(360, torch.device("cpu"))
+    positions = batch["position_ids"][0]
+    starts = (positions == 0).nonzero().flatten().tolist()
+    lengths = [end - start for start, end in zip(starts, [*starts[1:], 360], strict=True)]
+    assert lengths == [10 * weight for weight in llm.PACKED_WEIGHTS]  # 360 tokens: 10 per unit of weight
+    assert all(torch.equal(positions[s : s + n], torch.arange(n)) for s, n in zip(starts, lengths, strict=True))
+    assert torch.equal(batch["labels"][0] == -100, positions == 0) and "attention_mask" not in batch
 
 
 def test_relative_error_and_slope():
