@@ -1,23 +1,28 @@
-"""Padded attention: HF's SDPA attention for right-padded batches without the [tokens x tokens] mask.
+"""Padded attention: HF's SDPA attention for right-padded or packed batches without the [tokens x tokens] mask.
 
 With an attention mask, HF hands SDPA a boolean [batch, 1, tokens, tokens] mask; SDPA turns it into a float
 copy per call (saved for its backward, one per layer being recomputed) and its kernels compute every block
-of the square, the masked half included. When the mask is exactly causal and right padding (each row:
-its first L tokens real, the rest padding), the same attention is two dense calls per row: the L real
-queries causally over the L real keys (`is_causal=True`: the kernel skips the upper triangle) and the
-padding queries over all L real keys (what the mask lets them see). No mask is materialised, the result is
-the same up to the kernels' summation order, and the attention's time is about halved.
+of the square, the masked part included. When the mask is exactly causal within consecutive segments of each
+row, the same attention is dense calls per segment (`attention`): the segment's real queries causally over
+its real keys (`is_causal=True`: the kernel skips the upper triangle) and its padding queries, if any, over
+all its real keys (what the mask lets them see). Two masks are of that form: right padding (a row is one
+segment, its first L tokens real) and packed sequences (HF finds them from position ids that start again,
+without an attention mask; each sequence is a segment, all real). The result is the same up to the kernels'
+summation order; the attention takes about half the time on padded rows, and on packed rows only the
+sequences' own squares are computed.
 
-The mask itself is not built either: where the model asks for a causal mask over a right-padded 2D attention
-mask, the registered mask function returns a `RightPaddedCausalMask`, the rows' lengths in the mask's shape
-(HF's boolean mask is [batch, tokens, tokens] bytes, held from the forward to the end of the backward by every
-checkpointed layer: 16 MiB for one row of 4,096 tokens). Anything but this attention that uses it gets the
-full mask computed for that use, so no code sees other values than HF's.
+The mask itself is not kept either (`mask`, registered as the mask function): where the model asks for such
+a mask, it gets a `CausalSegmentsMask`, the segments in the mask's shape (right padding is read from the 2D
+attention mask, so the full mask is never built; packed sequences from the mask HF builds, dropped once
+read). HF's boolean mask is [batch, tokens, tokens] bytes held from the forward to the end of the backward
+by every checkpointed layer (16 MiB for one row of 4,096 tokens). Anything but this attention that uses it
+gets the full mask computed for that use, so no code sees other values than HF's.
 
 Installed by `fastckpt.integrations.hf.enable(model, padded_attention=True)` as an attention implementation
 registered with transformers (`AttentionInterface`, `AttentionMaskInterface`), named `fastckpt_sdpa`, on a
-model that uses "sdpa". Every call whose mask is not recognised (sliding windows, packed sequences, left
-padding, dropout, a KV cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward` unchanged.
+model that uses "sdpa". Every call whose mask is not recognised (sliding windows, left padding, padding
+inside packed rows, dropout, a KV cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward`
+unchanged.
 """
 
 from __future__ import annotations
