@@ -352,6 +352,20 @@ def test_packed_sequences_give_hfs_sdpa_results(name, autocast):
     assert_same(step(model, packed_batch(), autocast), expected, bf16=autocast)
 
 
+@pytest.mark.parametrize("flash_kwargs", [False, True], ids=["position-ids", "with-flash-kwargs"])
+def test_transformers_flattening_collator(flash_kwargs, monkeypatch):
+    """transformers' padding-free collator (also with the varlen kwargs it makes for flash attention, which
+    reach the attention as keywords): HF's sdpa results, one call per sequence."""
+    collator = transformers.DataCollatorWithFlattening(return_flash_attn_kwargs=flash_kwargs)
+    batch = collator([{"input_ids": list(range(5, 5 + n))} for n in (6, 3, 7)]) | {"use_cache": False}
+    model = build("llama")
+    expected = step(copy.deepcopy(model), batch)
+    hf.enable(model, padded_attention=True)
+    counter = _CountMaskedSdpa(monkeypatch)
+    assert_same(step(model, batch), expected)
+    assert counter.masked == 0 and counter.unmasked == 2 * 2 * 3
+
+
 def test_packed_sequences_run_without_a_mask(monkeypatch):
     model = hf.enable(build("llama"), padded_attention=True)
     counter = _CountMaskedSdpa(monkeypatch)
