@@ -11,7 +11,7 @@ instead of silently switching back to torch's function.
 `enable(model, loss_head=True)` also computes a causal LM's training loss through
 `fastckpt.linear_cross_entropy` (the LM head and cross entropy a chunk of tokens at a time, no full
 logits); see `_LossHead` for how the model's own forward is kept. `enable(model, padded_attention=True)`
-runs SDPA attention on right-padded or packed batches without the [tokens x tokens] mask (hf_attention.py). On a
+runs SDPA attention on padded or packed batches without the [tokens x tokens] mask (hf_attention.py). On a
 PEFT model, `enable` also drops LoRA's input casts that autocast undoes (`_AdapterInputCasts`).
 `plan(model, batch, budget)` / `measure(model, batch)` run fastckpt's planner on a step built from a batch.
 """
@@ -190,11 +190,12 @@ def enable(
     `loss_head=False` (the default) leaves the loss to HF, or hands it back after an earlier `loss_head=True`.
 
     `padded_attention=True` (a model loaded with attn_implementation="sdpa") computes attention whose mask is
-    causal over right-padded rows, or over packed sequences (position ids that start again, no attention
+    causal over padded rows (each row's real tokens one block, padding before or after), or over packed
+    sequences (position ids that start again, no attention
     mask), as dense SDPA calls per sequence instead of one masked call: no [tokens x tokens] mask is built
     or kept, and the kernel skips the masked blocks (about half the attention's time on padded rows, more on
     packed ones). The loss and gradients are the same up to the kernels' summation order; any other mask
-    (left padding, sliding windows), dropout or a KV cache runs HF's sdpa unchanged.
+    (holes in a row, sliding windows), dropout or a KV cache runs HF's sdpa unchanged.
 
     `budget` (bytes of the step, "N%" of stock checkpointing's peak or a device total such as "20GiB"; instead
     of `policy`) plans a policy per layer on the first training batch: the first forward in training mode

@@ -1,18 +1,19 @@
-"""Padded attention: HF's SDPA attention for right-padded or packed batches without the [tokens x tokens] mask.
+"""Padded attention: HF's SDPA attention for padded or packed batches without the [tokens x tokens] mask.
 
 With an attention mask, HF hands SDPA a boolean [batch, 1, tokens, tokens] mask; SDPA turns it into a float
 copy per call (saved for its backward, one per layer being recomputed) and its kernels compute every block
 of the square, the masked part included. When the mask is exactly causal within consecutive segments of each
 row, the same attention is dense calls per segment (`attention`): the segment's real queries causally over
-its real keys (`is_causal=True`: the kernel skips the upper triangle) and its padding queries, if any, over
-all its real keys (what the mask lets them see). Two masks are of that form: right padding (a row is one
-segment, its first L tokens real) and packed sequences (HF finds them from position ids that start again,
-without an attention mask; each sequence is a segment, all real). The result is the same up to the kernels'
-summation order; the attention takes about half the time on padded rows, and on packed rows only the
-sequences' own squares are computed.
+its real keys (`is_causal=True`: the kernel skips the upper triangle), its padding queries after them over
+all its real keys (what the mask lets them see) and those before them over none (a query that sees no key:
+a tiny masked call gives the kernel's output for it). Two masks are of that form: padding (a row is one
+segment, its real tokens one block, padding after it or before it) and packed sequences (HF finds them from
+position ids that start again, without an attention mask; each sequence is a segment, all real). The result
+is the same up to the kernels' summation order; the attention takes about half the time on padded rows, and
+on packed rows only the sequences' own squares are computed.
 
 The mask itself is not kept either (`mask`, registered as the mask function): where the model asks for such
-a mask, it gets a `CausalSegmentsMask`, the segments in the mask's shape (right padding is read from the 2D
+a mask, it gets a `CausalSegmentsMask`, the segments in the mask's shape (padding is read from the 2D
 attention mask, so the full mask is never built; packed sequences from the mask HF builds, dropped once
 read). HF's boolean mask is [batch, tokens, tokens] bytes held from the forward to the end of the backward
 by every checkpointed layer (16 MiB for one row of 4,096 tokens). Anything but this attention that uses it
@@ -20,7 +21,7 @@ gets the full mask computed for that use, so no code sees other values than HF's
 
 Installed by `fastckpt.integrations.hf.enable(model, padded_attention=True)` as an attention implementation
 registered with transformers (`AttentionInterface`, `AttentionMaskInterface`), named `fastckpt_sdpa`, on a
-model that uses "sdpa". Every call whose mask is not recognised (sliding windows, left padding, padding
+model that uses "sdpa". Every call whose mask is not recognised (sliding windows, holes in a row, padding
 inside packed rows, dropout, a KV cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward`
 unchanged.
 """
@@ -52,15 +53,16 @@ def register() -> None:
     AttentionMaskInterface.register(NAME, mask)
 
 
-Segment = tuple[int, int, int]  # (start, end of its real tokens, end): one sequence of a row and its padding
+# (start, first real token, end of the real tokens, end): one sequence of a row with its padding on either side
+Segment = tuple[int, int, int, int]
 
 
 class CausalSegmentsMask(torch.Tensor):
     """HF's boolean [batch, 1, tokens, tokens] mask of causal attention within segments of each row, held as
-    the segments: `rows[b]` is row b's (start, real end, end) triples, `segment_ids` and `real_keys` ([batch,
-    tokens]) the same per token. Query q sees key k when both are in one segment, k <= q and k is real: a
-    right-padded row is one segment (its padding queries see every real key), a row of packed sequences one
-    segment per sequence. It has no elements of its own: `attention` reads `rows`; any op on it (HF's sdpa
+    the segments: `rows[b]` is row b's Segments, `segment_ids` and `real_keys` ([batch, tokens]) the same per
+    token. Query q sees key k when both are in one segment, k <= q and k is real: a padded row is one segment
+    (padding queries after its real tokens see every real key, those before them none), a row of packed
+    sequences one segment per sequence. It has no elements of its own: `attention` reads `rows`; any op on it (HF's sdpa
     slicing it, an eager model adding it) runs on the full mask, computed for that op. Detaching it (as
     checkpointing does with its arguments) keeps it a CausalSegmentsMask."""
 
@@ -80,13 +82,13 @@ class CausalSegmentsMask(torch.Tensor):
 
     @classmethod
     def of_rows(cls, rows: tuple[tuple[Segment, ...], ...], device: torch.device) -> CausalSegmentsMask:
-        tokens = rows[0][-1][2]
+        tokens = rows[0][-1][-1]
         segment_ids = torch.zeros(len(rows), tokens, dtype=torch.int32)
         real_keys = torch.zeros(len(rows), tokens, dtype=torch.bool)
         for b, segments in enumerate(rows):
-            for index, (start, real_end, end) in enumerate(segments):
+            for index, (start, real_start, real_end, end) in enumerate(segments):
                 segment_ids[b, start:end] = index
-                real_keys[b, start:real_end] = True
+                real_keys[b, real_start:real_end] = True
         return cls(segment_ids.to(device), real_keys.to(device), rows)
 
     def full(self) -> torch.Tensor:
@@ -123,10 +125,11 @@ class CausalSegmentsMask(torch.Tensor):
 
 def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """NAME's mask function: a CausalSegmentsMask where transformers' `sdpa_mask` would build a causal mask
-    over right-padded rows or over packed sequences, from the start of the sequence (no cache offset, no
-    window, not traced); `sdpa_mask`'s own result otherwise (None where no mask is needed).
+    over padded rows (padding on either side of each row's real tokens) or over packed sequences, from the
+    start of the sequence (no cache offset, no window, not traced); `sdpa_mask`'s own result otherwise (None
+    where no mask is needed).
 
-    Right padding is read from the 2D attention mask (the full mask is never built). Packed sequences (HF
+    Padding is read from the 2D attention mask (the full mask is never built). Packed sequences (HF
     finds them from position ids that start again, without an attention mask) are read from the mask
     `sdpa_mask` builds, which is then dropped: it exists only while the forward starts."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
@@ -143,11 +146,9 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
         or torch.jit.is_tracing()
     )
     causal = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
-    lengths = (
-        _right_padded(padding, kwargs.get("batch_size"), tokens, kwargs.get("device")) if plain and causal else None
-    )
-    if lengths is not None:
-        return CausalSegmentsMask.of_rows(tuple(((0, n, tokens),) for n in lengths), padding.device)
+    real = _padded_rows(padding, kwargs.get("batch_size"), tokens, kwargs.get("device")) if plain and causal else None
+    if real is not None:
+        return CausalSegmentsMask.of_rows(tuple(((0, first, end, tokens),) for first, end in real), padding.device)
     built = sdpa_mask(*args, **kwargs)
     if plain and not causal and padding is None and isinstance(built, torch.Tensor):
         rows = packed_sequences(built, tokens)
@@ -156,20 +157,22 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     return built
 
 
-def _right_padded(padding: Any, batch: Any, tokens: int, device: Any) -> list[int] | None:
-    """The rows' lengths when `padding` is a boolean [batch, tokens] attention mask of right-padded rows, at
-    least one of them padded and none empty (as the models hand it: an integer one gives sdpa_mask another
-    dtype); None otherwise."""
+def _padded_rows(padding: Any, batch: Any, tokens: int, device: Any) -> list[tuple[int, int]] | None:
+    """Per row, (first real token, end of the real tokens) when `padding` is a boolean [batch, tokens] attention
+    mask whose rows' real tokens are one block each, none empty, padding (before or after it) in at least one
+    row (as the models hand it: an integer one gives sdpa_mask another dtype); None otherwise."""
     if type(padding) is not torch.Tensor or padding.dtype != torch.bool or tuple(padding.shape) != (batch, tokens):
         return None
     if padding.device != torch.device(device if device is not None else padding.device):
         return None
     lengths = padding.sum(-1)
+    if not bool((lengths < tokens).any()) or not bool((lengths > 0).all()):  # no padding: sdpa_mask's is_causal
+        return None
+    first = padding.to(torch.uint8).argmax(-1)
     positions = torch.arange(tokens, device=padding.device)
-    padded = bool((lengths < tokens).any())  # without padding sdpa_mask returns None (is_causal)
-    if padded and bool((lengths > 0).all()) and torch.equal(padding, positions < lengths[:, None]):
-        return lengths.tolist()
-    return None
+    if not torch.equal(padding, (positions >= first[:, None]) & (positions < (first + lengths)[:, None])):
+        return None  # holes
+    return [(f, f + n) for f, n in zip(first.tolist(), lengths.tolist(), strict=True)]
 
 
 def _equal_by_blocks(mask_rows: torch.Tensor, expected: Any, tokens: int) -> bool:
@@ -201,7 +204,7 @@ def packed_sequences(mask: torch.Tensor, tokens: int) -> tuple[tuple[Segment, ..
     rows = []
     for row in first.tolist():
         begins = [i for i, is_first in enumerate(row) if is_first]
-        rows.append(tuple((b, e, e) for b, e in zip(begins, begins[1:] + [tokens], strict=True)))
+        rows.append(tuple((b, b, e, e) for b, e in zip(begins, begins[1:] + [tokens], strict=True)))
     return tuple(rows)
 
 
@@ -257,21 +260,28 @@ def attention(
             rows = attention_mask.rows
     elif decomposable:
         lengths = right_padding_lengths(attention_mask, batch, tokens)
-        rows = None if lengths is None else tuple(((0, n, tokens),) for n in lengths)
+        rows = None if lengths is None else tuple(((0, 0, n, tokens),) for n in lengths)
     if rows is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                     is_causal=is_causal, **kwargs)  # fmt: skip
 
-    def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, real: int) -> torch.Tensor:
-        """One segment: its real queries causally over its real keys, its padding queries over all of them."""
-        k, v = k[:, :, :real], v[:, :, :real]
-        parts = [sdpa(module, q[:, :, :real], k, v, None, scaling=scaling, is_causal=True, **kwargs)[0]]
-        if real < q.shape[2]:
-            parts.append(sdpa(module, q[:, :, real:], k, v, None, scaling=scaling, is_causal=False, **kwargs)[0])
+    def segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """One segment, its real tokens [first, end): those queries causally over the real keys, the padding
+        queries after them over all real keys, those before them over none (a masked call gives the kernel's
+        result for a query that sees no key)."""
+        k, v = k[:, :, first:end], v[:, :, first:end]
+        parts = []
+        if first > 0:
+            nothing = torch.zeros(1, 1, first, 1, dtype=torch.bool, device=q.device)
+            parts.append(sdpa(module, q[:, :, :first], k[:, :, :1], v[:, :, :1], nothing, scaling=scaling,
+                              is_causal=False, **kwargs)[0])  # fmt: skip
+        parts.append(sdpa(module, q[:, :, first:end], k, v, None, scaling=scaling, is_causal=True, **kwargs)[0])
+        if end < q.shape[2]:
+            parts.append(sdpa(module, q[:, :, end:], k, v, None, scaling=scaling, is_causal=False, **kwargs)[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple[Segment, ...]) -> torch.Tensor:
-        parts = [segment(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], r - s) for s, r, e in segments]
+        parts = [segment(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], f - s, r - s) for s, f, r, e in segments]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     if len(set(rows)) == 1:

@@ -1,12 +1,13 @@
 """hf.enable(model, padded_attention=True): the mask recogniser, and tiny transformers models against their
 own sdpa attention on right-padded batches (loss, every gradient, the hidden states at padded positions),
-the calls that must fall back to HF's sdpa (left padding, sliding windows, dropout), and the refusals."""
+the calls that must fall back to HF's sdpa (holes in the mask, sliding windows, dropout), and the refusals."""
 
 from __future__ import annotations
 
 import copy
 import functools
 import io
+import math
 from typing import Any
 
 import pytest
@@ -110,11 +111,11 @@ def packed_batch(rows: tuple[tuple[int, ...], ...] = PACKED) -> dict[str, torch.
 
 
 def _packed_rows(rows: tuple[tuple[int, ...], ...] = PACKED) -> tuple:
-    """The segments (start, real end, end) the mask function gives for `packed_batch(rows)`."""
+    """The segments (start, first real token, real end, end) the mask function gives for `packed_batch(rows)`."""
     result = []
     for lengths in rows:
         ends = [sum(lengths[: i + 1]) for i in range(len(lengths))]
-        result.append(tuple((end - n, end, end) for n, end in zip(lengths, ends, strict=True)))
+        result.append(tuple((end - n, end - n, end, end) for n, end in zip(lengths, ends, strict=True)))
     return tuple(result)
 
 
@@ -148,6 +149,7 @@ class _CountMaskedSdpa:
 
     def __init__(self, monkeypatch) -> None:
         self.masked = self.unmasked = 0
+        self.largest_mask = None  # the shape of the mask with the most elements
         original = torch.nn.functional.scaled_dot_product_attention
 
         def counted(*args, **kwargs):
@@ -156,6 +158,8 @@ class _CountMaskedSdpa:
                 self.unmasked += 1
             else:
                 self.masked += 1
+                if self.largest_mask is None or mask.numel() > math.prod(self.largest_mask):
+                    self.largest_mask = tuple(mask.shape)
             return original(*args, **kwargs)
 
         monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
@@ -220,7 +224,7 @@ def _padding(case: str) -> torch.Tensor:
     return padding if case == "integer" else padding.bool()  # the models hand the mask function a boolean one
 
 
-_RIGHT_PADDED_ROWS = tuple(((0, n, SEQ),) for n in LENGTHS)  # one segment per row: (start, real end, end)
+_RIGHT_PADDED_ROWS = tuple(((0, 0, n, SEQ),) for n in LENGTHS)  # one segment per row
 
 
 def _mask_arguments(padding: torch.Tensor, **overrides: Any) -> dict[str, Any]:
@@ -237,7 +241,7 @@ def test_the_mask_function_gives_sdpas_mask(case, skip):
 
     arguments = _mask_arguments(_padding(case), allow_is_causal_skip=skip)
     ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
-    lazy = case in ("right", "one-row")
+    lazy = case in ("right", "one-row", "left")
     assert isinstance(ours, hf_attention.CausalSegmentsMask) == lazy
     if expected is None:
         assert ours is None
@@ -246,7 +250,9 @@ def test_the_mask_function_gives_sdpas_mask(case, skip):
     assert type(full) is torch.Tensor and full.dtype == expected.dtype and torch.equal(full, expected)
     if lazy:
         assert ours.shape == expected.shape and ours.dtype == torch.bool
-        assert ours.rows == tuple(((0, int(n), SEQ),) for n in _padding(case).sum(-1))
+        real = [int(n) for n in _padding(case).sum(-1)]
+        first = [SEQ - n if case == "left" else 0 for n in real]
+        assert ours.rows == tuple(((0, f, f + n, SEQ),) for f, n in zip(first, real, strict=True))
 
 
 @pytest.mark.parametrize("case", ["offset", "cache-offset-tensor", "longer-keys", "window", "vmap", "positional"])
@@ -412,14 +418,16 @@ def test_a_compiled_layer_given_the_lengths_equals_hfs_sdpa():
 # --------------------------------------------------------------------------------------------- models
 
 
+@pytest.mark.parametrize("side", ["right", "left"])
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("name", sorted(ARCHS))
-def test_loss_gradients_and_hidden_states_equal_hfs_sdpa(name, autocast):
+def test_loss_gradients_and_hidden_states_equal_hfs_sdpa(name, autocast, side):
     model = build(name)
-    expected = step(copy.deepcopy(model), padded_batch(), autocast)
+    batch = padded_batch(left=side == "left")
+    expected = step(copy.deepcopy(model), batch, autocast)
     hf.enable(model, padded_attention=True)
     assert hf_attention.installed(model)
-    assert_same(step(model, padded_batch(), autocast), expected, bf16=autocast)
+    assert_same(step(model, batch, autocast), expected, bf16=autocast)
 
 
 @pytest.mark.parametrize("name", [arch.name for arch in test_hf_zoo.ARCHS])
@@ -453,7 +461,17 @@ def test_right_padded_attention_runs_without_a_mask(monkeypatch):
     assert counter.masked == 0 and counter.unmasked == 2 * 2 * (1 + 2 + 2)
 
 
-@pytest.mark.parametrize("case", ["left-padding", "dropout", "sliding-window"])
+def test_left_padded_attention_masks_only_the_queries_that_see_no_key(monkeypatch):
+    model = hf.enable(build("llama"), padded_attention=True)
+    counter = _CountMaskedSdpa(monkeypatch)
+    step(model, padded_batch(left=True))
+    # per padded row, one call over its real tokens and one [padding x 1 key] masked call: the kernel's
+    # output for a query that sees nothing (zeros), as HF's full masked call gives it
+    assert counter.unmasked == 2 * 2 * 3 and counter.masked == 2 * 2 * 2
+    assert counter.largest_mask == (1, 1, SEQ - min(LENGTHS), 1)
+
+
+@pytest.mark.parametrize("case", ["holes", "dropout", "sliding-window"])
 def test_other_calls_are_hfs_sdpa_exactly(case, monkeypatch):
     name = "mistral-sliding" if case == "sliding-window" else "llama"
     model = build(name)
@@ -461,7 +479,9 @@ def test_other_calls_are_hfs_sdpa_exactly(case, monkeypatch):
         for module in model.modules():
             if hasattr(module, "attention_dropout"):
                 module.attention_dropout = 0.1
-    batch = padded_batch(left=case == "left-padding")
+    batch = padded_batch()
+    if case == "holes":  # a padding token inside a row: HF's mask, not one of the decomposed forms
+        batch["attention_mask"][2, 4] = 0
     torch.manual_seed(5)
     expected = step(copy.deepcopy(model), batch)
     hf.enable(model, padded_attention=True)
