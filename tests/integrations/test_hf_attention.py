@@ -372,6 +372,43 @@ def test_transformers_flattening_collator(flash_kwargs, monkeypatch):
     assert counter.masked == 0 and counter.unmasked == 2 * 2 * 3
 
 
+def test_trainer_with_the_flattening_collator(tmp_path, monkeypatch):
+    """Trainer on packed batches (transformers' padding-free collator), the loss head and padded attention:
+    every attention call gets the segments, and the logged losses are those of HF's own checkpointing."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(3, SEQ, (12,), generator=generator).tolist()
+    data = [{"input_ids": torch.randint(4, VOCAB, (n,), generator=generator).tolist()} for n in lengths]
+
+    def train(model: torch.nn.Module, folder: str) -> list[float]:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / folder), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-3,
+            activation_checkpointing=True, use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True,
+            logging_steps=1, remove_unused_columns=False, seed=0,
+        )  # fmt: skip
+        collator = transformers.DataCollatorWithFlattening()
+        trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collator)
+        trainer.train()
+        return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+    model = build("llama")
+    expected = train(copy.deepcopy(model), "hf")
+    hf.enable(model, loss_head=True, padded_attention=True)
+    masks = []
+    attention = hf_attention.attention
+
+    def spy(module, query, key, value, attention_mask, **kwargs):
+        masks.append(attention_mask)
+        return attention(module, query, key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS._global_mapping, hf_attention.NAME, spy)
+    losses = train(model, "fastckpt")
+    assert len(losses) == len(expected) == 3
+    torch.testing.assert_close(losses, expected, rtol=1e-4, atol=0)
+    assert masks and all(isinstance(m, hf_attention.CausalSegmentsMask) and len(m.rows[0]) > 1 for m in masks)
+
+
 def test_packed_sequences_run_without_a_mask(monkeypatch):
     model = hf.enable(build("llama"), padded_attention=True)
     counter = _CountMaskedSdpa(monkeypatch)
