@@ -193,8 +193,10 @@ def packed_sequences(mask: torch.Tensor, tokens: int) -> tuple[tuple[Segment, ..
     mask_rows = mask[:, 0]
     if not bool(mask_rows.diagonal(dim1=-2, dim2=-1).all()):
         return None
-    starts = mask_rows.to(torch.uint8).argmax(-1)  # per query, the first key it sees: its sequence's start
     positions = torch.arange(tokens, device=mask.device)
+    # per query, its sequence's start if it sees exactly the keys from there to itself (checked below); read
+    # from the count of keys it sees (no copy of the mask: it is [tokens x tokens])
+    starts = positions - mask_rows.sum(-1) + 1
     first = starts == positions
     if not bool((first | (starts == torch.cat([starts[:, :1], starts[:, :-1]], dim=-1))).all()):
         return None
