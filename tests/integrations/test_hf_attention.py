@@ -409,6 +409,27 @@ def test_trainer_with_the_flattening_collator(tmp_path, monkeypatch):
     assert masks and all(isinstance(m, hf_attention.CausalSegmentsMask) and len(m.rows[0]) > 1 for m in masks)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["right-padded", "left-padded", "packed"])
+def test_on_a_gpu_the_decomposed_attention_gives_hfs_sdpa_results(layout, dtype):
+    """On CUDA (other SDPA kernels; the left-padded queries that see no key included): HF's sdpa results."""
+    batch = packed_batch() if layout == "packed" else padded_batch(left=layout == "left-padded")
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    model = build("llama").cuda().to(dtype)
+    expected = step(copy.deepcopy(model), batch)
+    hf.enable(model, padded_attention=True)
+    ours = step(model, batch)
+    assert all(torch.isfinite(t).all() for t in (ours[0], ours[1], *ours[2].values()))
+    if dtype == torch.bfloat16:
+        assert_same(ours, expected, bf16=True)
+        return
+    assert ours[2].keys() == expected[2].keys()
+    pairs = [(ours[0], expected[0]), (ours[1], expected[1])] + [(ours[2][k], v) for k, v in expected[2].items()]
+    for got, reference in pairs:  # other kernels than the CPU's: other summation orders
+        torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-5)
+
+
 def test_packed_sequences_run_without_a_mask(monkeypatch):
     model = hf.enable(build("llama"), padded_attention=True)
     counter = _CountMaskedSdpa(monkeypatch)
