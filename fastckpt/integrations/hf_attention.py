@@ -62,9 +62,9 @@ class CausalSegmentsMask(torch.Tensor):
     the segments: `rows[b]` is row b's Segments, `segment_ids` and `real_keys` ([batch, tokens]) the same per
     token. Query q sees key k when both are in one segment, k <= q and k is real: a padded row is one segment
     (padding queries after its real tokens see every real key, those before them none), a row of packed
-    sequences one segment per sequence. It has no elements of its own: `attention` reads `rows`; any op on it (HF's sdpa
-    slicing it, an eager model adding it) runs on the full mask, computed for that op. Detaching it (as
-    checkpointing does with its arguments) keeps it a CausalSegmentsMask."""
+    sequences one segment per sequence. It has no elements of its own: `attention` reads `rows`; any op on
+    it (HF's sdpa slicing it, an eager model adding it) runs on the full mask, computed for that op.
+    Detaching it (as checkpointing does with its arguments) keeps it a CausalSegmentsMask."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
@@ -168,7 +168,7 @@ def _padded_rows(padding: Any, batch: Any, tokens: int, device: Any) -> list[tup
     lengths = padding.sum(-1)
     if not bool((lengths < tokens).any()) or not bool((lengths > 0).all()):  # no padding: sdpa_mask's is_causal
         return None
-    first = padding.to(torch.uint8).argmax(-1)
+    first = padding.view(torch.uint8).argmax(-1)
     positions = torch.arange(tokens, device=padding.device)
     if not torch.equal(padding, (positions >= first[:, None]) & (positions < (first + lengths)[:, None])):
         return None  # holes
@@ -194,9 +194,9 @@ def packed_sequences(mask: torch.Tensor, tokens: int) -> tuple[tuple[Segment, ..
     if not bool(mask_rows.diagonal(dim1=-2, dim2=-1).all()):
         return None
     positions = torch.arange(tokens, device=mask.device)
-    # per query, its sequence's start if it sees exactly the keys from there to itself (checked below); read
-    # from the count of keys it sees (no copy of the mask: it is [tokens x tokens])
-    starts = positions - mask_rows.sum(-1) + 1
+    # per query, the first key it sees: its sequence's start (checked below). Read through a uint8 view: a
+    # copy or a sum of the [tokens x tokens] mask would allocate it again, a sum 8 bytes per element.
+    starts = mask_rows.view(torch.uint8).argmax(-1)
     first = starts == positions
     if not bool((first | (starts == torch.cat([starts[:, :1], starts[:, :-1]], dim=-1))).all()):
         return None

@@ -349,6 +349,32 @@ def test_the_mask_function_gives_the_packed_sequences_of_sdpas_mask():
     assert torch.equal(ours.full(), expected)
 
 
+def test_reading_packed_sequences_allocates_little_beside_hfs_mask(monkeypatch):
+    """Recognising the segments costs a bounded block of the mask, not another [tokens x tokens] tensor: the
+    mask function's peak is HF's own (which builds the mask) plus a few blocks."""
+    from transformers.masking_utils import create_causal_mask
+
+    from fastckpt import memory
+
+    monkeypatch.setattr(hf_attention, "_CHECK_ELEMENTS", 1 << 14)
+    tokens = 1024
+    model = build("llama")
+    positions = torch.cat([torch.arange(n) for n in (300, 500, 224)])[None]
+    arguments = {"inputs_embeds": torch.zeros(1, tokens, 1), "attention_mask": None, "past_key_values": None}
+    arguments["position_ids"] = positions
+    hf_attention.register()
+    peaks, masks = {}, {}
+    for implementation in ("sdpa", hf_attention.NAME):
+        model.config._attn_implementation = implementation
+
+        def create(implementation: str = implementation) -> None:
+            masks[implementation] = create_causal_mask(config=model.config, **arguments)
+
+        peaks[implementation] = memory.peak_bytes(create, torch.device("cpu"))
+    assert isinstance(masks[hf_attention.NAME], hf_attention.CausalSegmentsMask)
+    assert peaks[hf_attention.NAME] <= peaks["sdpa"] + tokens * tokens // 8, peaks
+
+
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
 @pytest.mark.parametrize("name", sorted(ARCHS))
 def test_packed_sequences_give_hfs_sdpa_results(name, autocast):
