@@ -596,6 +596,25 @@ def test_peft_lora():
     assert_same(step(model, padded_batch()), expected)
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3-mixed-layers", "qwen2"])
+def test_generation_from_left_padded_prompts_is_hfs(name):
+    """Batched generation pads prompts on the left: the prefill's mask is one of the decomposed forms (its
+    padding queries see no key), the decoding steps' are not (one query, a cache). Greedy tokens and the
+    prefill's logits are HF's."""
+    model = build(name).eval()
+    reference = copy.deepcopy(model)
+    hf.enable(model, padded_attention=True)
+    batch = padded_batch((SEQ, 9, 12), left=True)
+    prompts = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        ours = model.generate(**prompts, max_new_tokens=5, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)  # fmt: skip
+        theirs = reference.generate(**prompts, max_new_tokens=5, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(ours.sequences, theirs.sequences)
+    torch.testing.assert_close(ours.logits[0], theirs.logits[0], **FP32)
+
+
 def test_disable_and_enable_without_it_restore_sdpa(tmp_path):
     model = hf.enable(build("llama"), padded_attention=True)
     assert model.config._attn_implementation == hf_attention.NAME
