@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 NAME = "fastckpt_sdpa"
-_RECOGNISED = "_fastckpt_right_padding"  # (mask._version, lengths or None), set on the mask tensor
+_RECOGNISED = "_fastckpt_padded_rows"  # (mask._version, padded_rows' verdict), set on the mask tensor
 _CHECK_ELEMENTS = 1 << 22  # mask elements compared at a time while recognising (bounds the check's memory)
 
 
@@ -126,38 +126,40 @@ class CausalSegmentsMask(torch.Tensor):
 def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     """NAME's mask function: a CausalSegmentsMask where transformers' `sdpa_mask` would build a causal mask
     over padded rows (padding on either side of each row's real tokens) or over packed sequences, from the
-    start of the sequence (no cache offset, no window, not traced); `sdpa_mask`'s own result otherwise (None
-    where no mask is needed).
+    start of the sequence (no cache offset, not traced); `sdpa_mask`'s own result otherwise (None where no
+    mask is needed).
 
-    Padding is read from the 2D attention mask (the full mask is never built). Packed sequences (HF
-    finds them from position ids that start again, without an attention mask) are read from the mask
-    `sdpa_mask` builds, which is then dropped: it exists only while the forward starts."""
+    Padding is read from the 2D attention mask (the full mask is never built). Any other mask `sdpa_mask`
+    builds is read (element by element, a block of queries at a time) and dropped if it is one of these:
+    packed sequences (HF finds them from position ids that start again, without an attention mask), or a
+    window or chunk no shorter than the rows (a sliding-window layer's mask is then causal)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     padding = kwargs.get("attention_mask")
     tokens = kwargs.get("q_length")
     plain = not (
         args
-        or kwargs.get("local_size") is not None
-        or kwargs.get("use_vmap", False)
         or any(type(kwargs.get(k, 0)) is not int or kwargs.get(k, 0) != 0 for k in ("q_offset", "kv_offset"))
         or kwargs.get("kv_length") != tokens
         or torch.compiler.is_compiling()
         or torch.jit.is_tracing()
     )
     causal = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
-    real = _padded_rows(padding, kwargs.get("batch_size"), tokens, kwargs.get("device")) if plain and causal else None
+    real = _real_blocks(padding, kwargs.get("batch_size"), tokens, kwargs.get("device")) if plain and causal else None
     if real is not None:
         return CausalSegmentsMask.of_rows(tuple(((0, first, end, tokens),) for first, end in real), padding.device)
     built = sdpa_mask(*args, **kwargs)
-    if plain and not causal and padding is None and isinstance(built, torch.Tensor):
-        rows = packed_sequences(built, tokens)
+    if plain and isinstance(built, torch.Tensor):  # another mask function may still give one of these masks
+        rows = packed_sequences(built, tokens) if padding is None else None
+        if rows is None:
+            found = padded_rows(built, built.shape[0], tokens)
+            rows = None if found is None else tuple(((0, first, end, tokens),) for first, end in found)
         if rows is not None:
             return CausalSegmentsMask.of_rows(rows, built.device)
     return built
 
 
-def _padded_rows(padding: Any, batch: Any, tokens: int, device: Any) -> list[tuple[int, int]] | None:
+def _real_blocks(padding: Any, batch: Any, tokens: int, device: Any) -> list[tuple[int, int]] | None:
     """Per row, (first real token, end of the real tokens) when `padding` is a boolean [batch, tokens] attention
     mask whose rows' real tokens are one block each, none empty, padding (before or after it) in at least one
     row (as the models hand it: an integer one gives sdpa_mask another dtype); None otherwise."""
@@ -210,11 +212,12 @@ def packed_sequences(mask: torch.Tensor, tokens: int) -> tuple[tuple[Segment, ..
     return tuple(rows)
 
 
-def right_padding_lengths(mask: Any, batch: int, tokens: int) -> tuple[int, ...] | None:
-    """Per batch row (one entry when the mask broadcasts over the batch), the number of real tokens, when
-    `mask` is a boolean [batch or 1, 1, tokens, tokens] mask that is exactly causal and right padding with at
-    least one real token per row; None otherwise. The verdict is cached on the mask (all layers share it,
-    recomputations pass it again) and recomputed when the mask is changed in place."""
+def padded_rows(mask: Any, batch: int, tokens: int) -> tuple[tuple[int, int], ...] | None:
+    """Per batch row (one entry when the mask broadcasts over the batch), (first real token, end of the real
+    tokens), when `mask` is a boolean [batch or 1, 1, tokens, tokens] mask that is exactly causal over each
+    row's real tokens, one block of at least one per row (padding on either side); None otherwise. The
+    verdict is cached on the mask (all layers share it, recomputations pass it again) and recomputed when the
+    mask is changed in place."""
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
         return None
     if mask.shape[1] != 1 or mask.shape[2] != tokens or mask.shape[3] != tokens or mask.shape[0] not in (1, batch):
@@ -223,13 +226,15 @@ def right_padding_lengths(mask: Any, batch: int, tokens: int) -> tuple[int, ...]
     if cached is not None and cached[0] == mask._version:
         return cached[1]
     mask_rows = mask[:, 0]
-    keys = mask_rows[:, -1]  # the last query may see every real key: the key-validity of each row
+    keys = mask_rows[:, -1]  # the last query sees every real key (it is real, or padding after them)
     lengths = keys.sum(-1)
+    first = keys.view(torch.uint8).argmax(-1)
     positions = torch.arange(tokens, device=mask.device)
-    found = bool((lengths > 0).all()) and torch.equal(keys, positions < lengths[:, None])
+    block = (positions >= first[:, None]) & (positions < (first + lengths)[:, None])
+    found = bool((lengths > 0).all()) and torch.equal(keys, block)
     # causal and a real key
     found = found and _equal_by_blocks(mask_rows, lambda q: (positions[None, :] <= q[:, None]) & keys[:, None], tokens)
-    result = tuple(lengths.tolist()) if found else None
+    result = tuple(zip(first.tolist(), (first + lengths).tolist(), strict=True)) if found else None
     mask.__dict__[_RECOGNISED] = (mask._version, result)
     return result
 
@@ -261,8 +266,8 @@ def attention(
         if attention_mask.shape[0] == batch and attention_mask.shape[-1] == tokens:
             rows = attention_mask.rows
     elif decomposable:
-        lengths = right_padding_lengths(attention_mask, batch, tokens)
-        rows = None if lengths is None else tuple(((0, 0, n, tokens),) for n in lengths)
+        found = padded_rows(attention_mask, batch, tokens)
+        rows = None if found is None else tuple(((0, first, end, tokens),) for first, end in found)
     if rows is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                     is_causal=is_causal, **kwargs)  # fmt: skip

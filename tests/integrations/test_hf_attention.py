@@ -168,26 +168,30 @@ class _CountMaskedSdpa:
 # --------------------------------------------------------------------------------------------- recogniser
 
 
-def _causal_right_padded(lengths: tuple[int, ...], tokens: int = SEQ) -> torch.Tensor:
+def _causal_right_padded(lengths: tuple[int, ...], tokens: int = SEQ, left: bool = False) -> torch.Tensor:
     positions = torch.arange(tokens)
     valid = positions[None, :] < torch.tensor(lengths)[:, None]
+    valid = valid.flip(-1) if left else valid
     return (positions[None, :, None] >= positions[None, None, :]) & valid[:, None, :]
 
 
 def test_recognises_causal_right_padding_per_row():
     mask = _causal_right_padded(LENGTHS)[:, None]
-    assert hf_attention.right_padding_lengths(mask, 3, SEQ) == LENGTHS
-    assert hf_attention.right_padding_lengths(mask[:1], 3, SEQ) == (SEQ,)  # one row broadcast over the batch
+    assert hf_attention.padded_rows(mask, 3, SEQ) == tuple((0, n) for n in LENGTHS)
+    assert hf_attention.padded_rows(mask[:1], 3, SEQ) == ((0, SEQ),)  # one row broadcast over the batch
+    left = _causal_right_padded(LENGTHS, left=True)[:, None]  # the padding first: its queries see no key
+    assert hf_attention.padded_rows(left, 3, SEQ) == tuple((SEQ - n, SEQ) for n in LENGTHS)
 
 
 @pytest.mark.parametrize(
-    "case", ["left-padding", "sliding-window", "packed", "empty-row", "float", "other-shape", "not-causal"]
+    "case", ["left-padding-seen", "sliding-window", "packed", "empty-row", "float", "other-shape", "not-causal"]
 )
 def test_other_masks_are_not_recognised(case):
     mask = _causal_right_padded(LENGTHS)[:, None]
     positions = torch.arange(SEQ)
-    if case == "left-padding":
-        mask = mask.flip(-1).flip(-2)
+    if case == "left-padding-seen":  # left padding whose queries see every key (HF's older masks): not causal
+        mask = _causal_right_padded(LENGTHS, left=True)[:, None]
+        mask = mask | ~mask.any(-1, keepdim=True)
     elif case == "sliding-window":
         mask = mask & (positions[:, None] - positions[None, :] < 4)
     elif case == "packed":  # two sequences in row 0: block-diagonal causal
@@ -202,15 +206,15 @@ def test_other_masks_are_not_recognised(case):
     elif case == "not-causal":
         mask = mask.clone()
         mask[2, 0, 0, 1] = True
-    assert hf_attention.right_padding_lengths(mask, 3, SEQ) is None
+    assert hf_attention.padded_rows(mask, 3, SEQ) is None
 
 
 def test_an_in_place_change_of_the_mask_is_seen(monkeypatch):
     monkeypatch.setattr(hf_attention, "_CHECK_ELEMENTS", 64)  # several blocks of query rows
     mask = _causal_right_padded(LENGTHS)[:, None]
-    assert hf_attention.right_padding_lengths(mask, 3, SEQ) == LENGTHS
+    assert hf_attention.padded_rows(mask, 3, SEQ) == tuple((0, n) for n in LENGTHS)
     mask[1, 0, 3, 9] = True  # a padding key made visible to one query
-    assert hf_attention.right_padding_lengths(mask, 3, SEQ) is None
+    assert hf_attention.padded_rows(mask, 3, SEQ) is None
 
 
 # --------------------------------------------------------------------------------------------- mask function
@@ -241,7 +245,7 @@ def test_the_mask_function_gives_sdpas_mask(case, skip):
 
     arguments = _mask_arguments(_padding(case), allow_is_causal_skip=skip)
     ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
-    lazy = case in ("right", "one-row", "left")
+    lazy = case in ("right", "one-row", "left") or (case == "none" and not skip)  # (built causal: one segment)
     assert isinstance(ours, hf_attention.CausalSegmentsMask) == lazy
     if expected is None:
         assert ours is None
@@ -255,7 +259,7 @@ def test_the_mask_function_gives_sdpas_mask(case, skip):
         assert ours.rows == tuple(((0, f, f + n, SEQ),) for f, n in zip(first, real, strict=True))
 
 
-@pytest.mark.parametrize("case", ["offset", "cache-offset-tensor", "longer-keys", "window", "vmap", "positional"])
+@pytest.mark.parametrize("case", ["offset", "cache-offset-tensor", "longer-keys", "window", "positional"])
 def test_the_mask_function_leaves_other_masks_to_sdpa_mask(case):
     from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
@@ -266,16 +270,33 @@ def test_the_mask_function_leaves_other_masks_to_sdpa_mask(case):
         arguments |= {"q_offset": torch.tensor(0)}
     elif case == "longer-keys":  # a cache: fewer queries than keys
         arguments |= {"q_length": SEQ - 4}
-    elif case == "window":
-        arguments |= {"mask_function": sliding_window_causal_mask_function(4)}
-    elif case == "vmap":
-        arguments |= {"use_vmap": True}
+    elif case == "window":  # shorter than the rows
+        arguments |= {"mask_function": sliding_window_causal_mask_function(4), "local_size": 4}
     if case == "positional":
         sizes = [arguments.pop(k) for k in ("batch_size", "q_length", "kv_length")]
         ours, expected = hf_attention.mask(*sizes, **arguments), sdpa_mask(*sizes, **arguments)
     else:
         ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
     assert type(ours) is torch.Tensor and torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("case", ["window-as-long-as-the-rows", "vmap", "chunks-longer-than-the-rows"])
+def test_masks_sdpa_mask_builds_are_read_when_they_are_padded_causal(case):
+    """Another mask function whose mask is causal over the padded rows (a window no shorter than the rows,
+    a vmap-built one): HF builds it, and the mask function gives the segments instead."""
+    from transformers.masking_utils import chunked_causal_mask_function, sdpa_mask, sliding_window_causal_mask_function
+
+    padding = _padding("left")
+    arguments = _mask_arguments(padding)
+    if case == "window-as-long-as-the-rows":
+        arguments |= {"mask_function": sliding_window_causal_mask_function(SEQ), "local_size": SEQ}
+    elif case == "vmap":
+        arguments |= {"use_vmap": True}
+    else:
+        arguments |= {"mask_function": chunked_causal_mask_function(SEQ, torch.zeros(3, dtype=torch.long))}
+    ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
+    assert isinstance(ours, hf_attention.CausalSegmentsMask) and torch.equal(ours.full(), expected)
+    assert ours.rows == tuple(((0, SEQ - n, SEQ, SEQ),) for n in LENGTHS)
 
 
 def test_any_op_on_the_mask_sees_sdpas_mask():
@@ -542,6 +563,28 @@ def test_right_padded_attention_runs_without_a_mask(monkeypatch):
     counter = _CountMaskedSdpa(monkeypatch)
     step(model, padded_batch())
     # forward and recomputation, 2 layers: one call per row without padding, two per padded row
+    assert counter.masked == 0 and counter.unmasked == 2 * 2 * (1 + 2 + 2)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        ("MistralForCausalLM", _decoder("MistralConfig", sliding_window=SEQ)),
+        ("Gemma3ForCausalLM", _decoder("Gemma3TextConfig", layer_types=["sliding_attention", "full_attention"],
+                                       **(GEMMA | {"sliding_window": SEQ}))),
+    ],
+    ids=["mistral", "gemma3-mixed-layers"],
+)  # fmt: skip
+def test_sliding_windows_as_long_as_the_rows_run_without_a_mask(config, monkeypatch):
+    """A sliding window no shorter than the rows is causal attention: HF builds its mask, the mask function
+    reads it, and every layer runs without one, with HF's results."""
+    model_class, make = config
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(make())
+    expected = step(copy.deepcopy(model), padded_batch())
+    hf.enable(model, padded_attention=True)
+    counter = _CountMaskedSdpa(monkeypatch)
+    assert_same(step(model, padded_batch()), expected)
     assert counter.masked == 0 and counter.unmasked == 2 * 2 * (1 + 2 + 2)
 
 
