@@ -15,15 +15,15 @@ on packed rows only the sequences' own squares are computed.
 The mask itself is not kept either (`mask`, registered as the mask function): where the model asks for such
 a mask, it gets a `CausalSegmentsMask`, the segments in the mask's shape (padding is read from the 2D
 attention mask, so the full mask is never built; packed sequences from the mask HF builds, dropped once
-read). HF's boolean mask is [batch, tokens, tokens] bytes held from the forward to the end of the backward
+read, as any other mask HF builds that is one of these forms, e.g. a sliding window no shorter than the
+rows). HF's boolean mask is [batch, tokens, tokens] bytes held from the forward to the end of the backward
 by every checkpointed layer (16 MiB for one row of 4,096 tokens). Anything but this attention that uses it
 gets the full mask computed for that use, so no code sees other values than HF's.
 
 Installed by `fastckpt.integrations.hf.enable(model, padded_attention=True)` as an attention implementation
 registered with transformers (`AttentionInterface`, `AttentionMaskInterface`), named `fastckpt_sdpa`, on a
-model that uses "sdpa". Every call whose mask is not recognised (sliding windows, holes in a row, padding
-inside packed rows, dropout, a KV cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward`
-unchanged.
+model that uses "sdpa". Every call whose mask is not recognised (sliding windows shorter than the rows, holes
+in a row, dropout, a KV cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward` unchanged.
 """
 
 from __future__ import annotations
