@@ -444,7 +444,8 @@ def test_an_accelerate_hook_on_lm_head_runs_around_both_calls():
 
 
 def _fsdp2_body(rank: int, world: int) -> dict:
-    """Each rank: HF's loss and the loss head under FSDP2, lm_head in the root's group or sharded on its own."""
+    """Each rank: HF's loss and the loss head (with padded attention) under FSDP2, lm_head in the root's group
+    or sharded on its own."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -452,7 +453,8 @@ def _fsdp2_body(rank: int, world: int) -> dict:
     for head_alone in (False, True):
         for loss_head in (False, True):
             plain = build("llama")
-            model = hf.enable(plain, policy="recompute", loss_head=loss_head) if loss_head else plain
+            # with the loss head, padded attention too (its mask form passes FSDP2's hooks on each layer)
+            model = hf.enable(plain, policy="recompute", loss_head=True, padded_attention=True) if loss_head else plain
             mesh = init_device_mesh("cpu", (world,))
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
