@@ -62,9 +62,10 @@ class CausalSegmentsMask(torch.Tensor):
     the segments: `rows[b]` is row b's Segments, `segment_ids` and `real_keys` ([batch, tokens]) the same per
     token. Query q sees key k when both are in one segment, k <= q and k is real: a padded row is one segment
     (padding queries after its real tokens see every real key, those before them none), a row of packed
-    sequences one segment per sequence. It has no elements of its own: `attention` reads `rows`; any op on
-    it (HF's sdpa slicing it, an eager model adding it) runs on the full mask, computed for that op.
-    Detaching it (as checkpointing does with its arguments) keeps it a CausalSegmentsMask."""
+    sequences one segment per sequence. With a `window` (a sliding-window layer's), q also sees only the keys
+    k > q - window. It has no elements of its own: `attention` reads `rows`; any op on it (HF's sdpa
+    slicing it, an eager model adding it) runs on the full mask, computed for that op. Detaching it (as
+    checkpointing does with its arguments) keeps it a CausalSegmentsMask."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
@@ -73,15 +74,19 @@ class CausalSegmentsMask(torch.Tensor):
             return func(*args, **(kwargs or {}))
 
     @staticmethod
-    def __new__(cls, segment_ids: torch.Tensor, real_keys: torch.Tensor, rows: tuple) -> CausalSegmentsMask:
+    def __new__(
+        cls, segment_ids: torch.Tensor, real_keys: torch.Tensor, rows: tuple, window: int | None = None
+    ) -> CausalSegmentsMask:
         batch, tokens = real_keys.shape
         shape = (batch, 1, tokens, tokens)
         mask = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=torch.bool, device=real_keys.device)
-        mask.segment_ids, mask.real_keys, mask.rows = segment_ids, real_keys, rows
+        mask.segment_ids, mask.real_keys, mask.rows, mask.window = segment_ids, real_keys, rows, window
         return mask
 
     @classmethod
-    def of_rows(cls, rows: tuple[tuple[Segment, ...], ...], device: torch.device) -> CausalSegmentsMask:
+    def of_rows(
+        cls, rows: tuple[tuple[Segment, ...], ...], device: torch.device, window: int | None = None
+    ) -> CausalSegmentsMask:
         tokens = rows[0][-1][-1]
         segment_ids = torch.zeros(len(rows), tokens, dtype=torch.int32)
         real_keys = torch.zeros(len(rows), tokens, dtype=torch.bool)
@@ -89,36 +94,39 @@ class CausalSegmentsMask(torch.Tensor):
             for index, (start, real_start, real_end, end) in enumerate(segments):
                 segment_ids[b, start:end] = index
                 real_keys[b, real_start:real_end] = True
-        return cls(segment_ids.to(device), real_keys.to(device), rows)
+        return cls(segment_ids.to(device), real_keys.to(device), rows, window)
 
     def full(self) -> torch.Tensor:
         """The mask HF's sdpa_mask builds."""
         positions = torch.arange(self.shape[-1], device=self.device)
         causal = positions[None, :] <= positions[:, None]
+        if self.window is not None:
+            causal = causal & (positions[None, :] > positions[:, None] - self.window)
         same_segment = self.segment_ids[:, :, None] == self.segment_ids[:, None, :]
         return (causal & same_segment & self.real_keys[:, None, :])[:, None]
 
     def __tensor_flatten__(self) -> tuple[list[str], tuple]:
         """The tensors it holds (torch's protocol for wrapper subclasses; the planner follows their memory)."""
-        return ["segment_ids", "real_keys"], self.rows
+        return ["segment_ids", "real_keys"], (self.rows, self.window)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict, rows: tuple, size: Any, stride: Any) -> CausalSegmentsMask:
-        return CausalSegmentsMask(inner["segment_ids"], inner["real_keys"], rows)
+    def __tensor_unflatten__(inner: dict, context: tuple, size: Any, stride: Any) -> CausalSegmentsMask:
+        return CausalSegmentsMask(inner["segment_ids"], inner["real_keys"], *context)
 
     def __deepcopy__(self, memo: dict) -> CausalSegmentsMask:
-        return CausalSegmentsMask(self.segment_ids.clone(), self.real_keys.clone(), self.rows)
+        return CausalSegmentsMask(self.segment_ids.clone(), self.real_keys.clone(), self.rows, self.window)
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # saved (torch.save, pickle) as the full mask
         return self.full().__reduce_ex__(protocol)
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"CausalSegmentsMask(shape={tuple(self.shape)}, rows={self.rows})"
+        window = "" if self.window is None else f", window={self.window}"
+        return f"CausalSegmentsMask(shape={tuple(self.shape)}, rows={self.rows}{window})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return cls(args[0].segment_ids, args[0].real_keys, args[0].rows)
+            return cls(args[0].segment_ids, args[0].real_keys, args[0].rows, args[0].window)
         args, kwargs = tree_map_only(cls, cls.full, (args, kwargs or {}))
         return func(*args, **kwargs)
 
@@ -132,7 +140,8 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     Padding is read from the 2D attention mask (the full mask is never built). Any other mask `sdpa_mask`
     builds is read (element by element, a block of queries at a time) and dropped if it is one of these:
     packed sequences (HF finds them from position ids that start again, without an attention mask), or a
-    window or chunk no shorter than the rows (a sliding-window layer's mask is then causal)."""
+    window or chunk no shorter than the rows (a sliding-window layer's mask is then causal), or a sliding
+    window over padded rows (a CausalSegmentsMask with that window)."""
     from transformers.masking_utils import causal_mask_function, sdpa_mask
 
     padding = kwargs.get("attention_mask")
@@ -156,19 +165,28 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
             rows = None if found is None else tuple(((0, first, end, tokens),) for first, end in found)
         if rows is not None:
             return CausalSegmentsMask.of_rows(rows, built.device)
+        window = kwargs.get("local_size")
+        if type(window) is int and 0 < window < tokens:
+            found = windowed_rows(built, padding, window, tokens)
+            if found is not None:
+                rows = tuple(((0, first, end, tokens),) for first, end in found)
+                return CausalSegmentsMask.of_rows(rows, built.device, window)
     return built
 
 
-def _real_blocks(padding: Any, batch: Any, tokens: int, device: Any) -> list[tuple[int, int]] | None:
+def _real_blocks(
+    padding: Any, batch: Any, tokens: int, device: Any, padded: bool = True
+) -> list[tuple[int, int]] | None:
     """Per row, (first real token, end of the real tokens) when `padding` is a boolean [batch, tokens] attention
     mask whose rows' real tokens are one block each, none empty, padding (before or after it) in at least one
-    row (as the models hand it: an integer one gives sdpa_mask another dtype); None otherwise."""
+    row unless `padded` is False (as the models hand it: an integer one gives sdpa_mask another dtype); None
+    otherwise."""
     if type(padding) is not torch.Tensor or padding.dtype != torch.bool or tuple(padding.shape) != (batch, tokens):
         return None
     if padding.device != torch.device(device if device is not None else padding.device):
         return None
     lengths = padding.sum(-1)
-    if not bool((lengths < tokens).any()) or not bool((lengths > 0).all()):  # no padding: sdpa_mask's is_causal
+    if (padded and not bool((lengths < tokens).any())) or not bool((lengths > 0).all()):  # no padding: is_causal
         return None
     first = padding.view(torch.uint8).argmax(-1)
     positions = torch.arange(tokens, device=padding.device)
@@ -212,6 +230,31 @@ def packed_sequences(mask: torch.Tensor, tokens: int) -> tuple[tuple[Segment, ..
     return tuple(rows)
 
 
+def windowed_rows(mask: torch.Tensor, padding: Any, window: int, tokens: int) -> list[tuple[int, int]] | None:
+    """Per batch row, (first real token, end of the real tokens) when `mask` (built by sdpa_mask from the 2D
+    `padding`, or None) is exactly the sliding-window causal mask of `window` over each row's real tokens;
+    None otherwise."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tokens, tokens):
+        return None
+    batch = mask.shape[0]
+    if padding is None:
+        blocks = [(0, tokens)] * batch
+    else:
+        blocks = _real_blocks(padding, batch, tokens, mask.device, padded=False)
+        if blocks is None:
+            return None
+    positions = torch.arange(tokens, device=mask.device)
+    first = torch.tensor([b[0] for b in blocks], device=mask.device)[:, None, None]
+    end = torch.tensor([b[1] for b in blocks], device=mask.device)[:, None, None]
+    keys = positions[None, None, :]
+
+    def expected(queries: torch.Tensor) -> torch.Tensor:
+        q = queries[None, :, None]
+        return (keys <= q) & (keys > q - window) & (keys >= first) & (keys < end)
+
+    return blocks if _equal_by_blocks(mask[:, 0], expected, tokens) else None
+
+
 def padded_rows(mask: Any, batch: int, tokens: int) -> tuple[tuple[int, int], ...] | None:
     """Per batch row (one entry when the mask broadcasts over the batch), (first real token, end of the real
     tokens), when `mask` is a boolean [batch or 1, 1, tokens, tokens] mask that is exactly causal over each
@@ -253,7 +296,7 @@ def attention(
     """HF's attention-interface signature; [batch, tokens, heads, head_dim] output as HF's sdpa returns it."""
     sdpa = _hf_sdpa()
     batch, tokens = query.shape[0], query.shape[2]
-    rows = None  # per batch row (or one for all), its segments
+    rows, window = None, None  # per batch row (or one for all), its segments; a sliding window
     decomposable = (
         dropout == 0.0
         and kwargs.get("position_bias") is None
@@ -264,7 +307,7 @@ def attention(
     )
     if decomposable and isinstance(attention_mask, CausalSegmentsMask):
         if attention_mask.shape[0] == batch and attention_mask.shape[-1] == tokens:
-            rows = attention_mask.rows
+            rows, window = attention_mask.rows, attention_mask.window
     elif decomposable:
         found = padded_rows(attention_mask, batch, tokens)
         rows = None if found is None else tuple(((0, first, end, tokens),) for first, end in found)
@@ -287,8 +330,22 @@ def attention(
             parts.append(sdpa(module, q[:, :, end:], k, v, None, scaling=scaling, is_causal=False, **kwargs)[0])
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
+    def windowed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, end: int) -> torch.Tensor:
+        """One segment under a sliding window: blocks of `window` queries, each over the keys its window can
+        reach (fewer than 2 x window), with the mask of that block (small, computed here)."""
+        positions = torch.arange(q.shape[2], device=q.device)
+        parts = []
+        for start in range(0, q.shape[2], window):
+            stop, reach = min(start + window, q.shape[2]), max(0, start - window + 1)
+            queries, keys = positions[start:stop, None], positions[None, reach:stop]
+            sees = (keys <= queries) & (keys > queries - window) & (keys >= first) & (keys < end)
+            parts.append(sdpa(module, q[:, :, start:stop], k[:, :, reach:stop], v[:, :, reach:stop], sees[None, None],
+                              scaling=scaling, is_causal=False, **kwargs)[0])  # fmt: skip
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
     def row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: tuple[Segment, ...]) -> torch.Tensor:
-        parts = [segment(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], f - s, r - s) for s, f, r, e in segments]
+        one = segment if window is None else windowed
+        parts = [one(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], f - s, r - s) for s, f, r, e in segments]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     if len(set(rows)) == 1:

@@ -135,7 +135,10 @@ def assert_same(ours, expected, bf16: bool = False) -> None:
     assert grads.keys() == ref_grads.keys() and grads
     tolerance = {"rtol": 2e-2, "atol": 2e-2} if bf16 else FP32
     torch.testing.assert_close(loss, ref_loss, **tolerance)
-    torch.testing.assert_close(hidden, ref_hidden, **tolerance)  # padded positions included
+    # padded positions included; bf16: to 2% of the hidden states' scale (kernels that split the keys otherwise
+    # round otherwise: one element of Gemma 3's windowed padding queries differed by 0.026 on a scale of ~3)
+    hidden_atol = 2e-2 * float(ref_hidden.abs().max()) if bf16 and ref_hidden.numel() else FP32["atol"]
+    torch.testing.assert_close(hidden, ref_hidden, rtol=tolerance["rtol"], atol=hidden_atol)
     # bf16: each gradient to 2% of its own scale, but at least of 1e-4 of the largest one's (a gradient zero in
     # exact arithmetic, OPT's key bias: softmax ignores a shift of all scores, is bf16's rounding noise)
     floor = 1e-4 * max(float(ref.abs().max()) for ref in ref_grads.values())
@@ -259,18 +262,18 @@ def test_the_mask_function_gives_sdpas_mask(case, skip):
         assert ours.rows == tuple(((0, f, f + n, SEQ),) for f, n in zip(first, real, strict=True))
 
 
-@pytest.mark.parametrize("case", ["offset", "cache-offset-tensor", "longer-keys", "window", "positional"])
+@pytest.mark.parametrize("case", ["offset", "cache-offset-tensor", "longer-keys", "window-over-holes", "positional"])
 def test_the_mask_function_leaves_other_masks_to_sdpa_mask(case):
     from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
-    arguments = _mask_arguments(_padding("right"))
+    arguments = _mask_arguments(_padding("hole" if case == "window-over-holes" else "right"))
     if case == "offset":
         arguments |= {"q_offset": 2, "kv_offset": 2}
     elif case == "cache-offset-tensor":
         arguments |= {"q_offset": torch.tensor(0)}
     elif case == "longer-keys":  # a cache: fewer queries than keys
         arguments |= {"q_length": SEQ - 4}
-    elif case == "window":  # shorter than the rows
+    elif case == "window-over-holes":  # a sliding window over rows with a padding token inside
         arguments |= {"mask_function": sliding_window_causal_mask_function(4), "local_size": 4}
     if case == "positional":
         sizes = [arguments.pop(k) for k in ("batch_size", "q_length", "kv_length")]
@@ -297,6 +300,19 @@ def test_masks_sdpa_mask_builds_are_read_when_they_are_padded_causal(case):
     ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
     assert isinstance(ours, hf_attention.CausalSegmentsMask) and torch.equal(ours.full(), expected)
     assert ours.rows == tuple(((0, SEQ - n, SEQ, SEQ),) for n in LENGTHS)
+
+
+@pytest.mark.parametrize("padding", ["right", "left", "none"])
+def test_a_sliding_window_shorter_than_the_rows_is_read_with_its_window(padding):
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    window = 5
+    arguments = _mask_arguments(_padding(padding))
+    arguments |= {"mask_function": sliding_window_causal_mask_function(window), "local_size": window}
+    ours, expected = hf_attention.mask(**arguments), sdpa_mask(**arguments)
+    assert isinstance(ours, hf_attention.CausalSegmentsMask) and ours.window == window
+    assert torch.equal(ours.full(), expected)
+    assert torch.equal(ours.detach().full(), expected) and copy.deepcopy(ours).window == window
 
 
 def test_any_op_on_the_mask_sees_sdpas_mask():
@@ -588,6 +604,21 @@ def test_sliding_windows_as_long_as_the_rows_run_without_a_mask(config, monkeypa
     assert counter.masked == 0 and counter.unmasked == 2 * 2 * (1 + 2 + 2)
 
 
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma3-mixed-layers"])
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_sliding_windows_shorter_than_the_rows_run_in_blocks_of_the_window(name, side, monkeypatch):
+    """Window 6 over rows of 16: blocks of 6 queries over the at most 11 keys their windows reach, each with
+    its own small mask, and HF's results."""
+    model = build(name)
+    batch = padded_batch(left=side == "left")
+    expected = step(copy.deepcopy(model), batch)
+    hf.enable(model, padded_attention=True)
+    counter = _CountMaskedSdpa(monkeypatch)
+    assert_same(step(model, batch), expected)
+    window = 6  # both models' sliding_window
+    assert counter.masked > 0 and math.prod(counter.largest_mask) <= window * (2 * window - 1)
+
+
 def test_left_padded_attention_masks_only_the_queries_that_see_no_key(monkeypatch):
     model = hf.enable(build("llama"), padded_attention=True)
     counter = _CountMaskedSdpa(monkeypatch)
@@ -598,9 +629,9 @@ def test_left_padded_attention_masks_only_the_queries_that_see_no_key(monkeypatc
     assert counter.largest_mask == (1, 1, SEQ - min(LENGTHS), 1)
 
 
-@pytest.mark.parametrize("case", ["holes", "dropout", "sliding-window"])
+@pytest.mark.parametrize("case", ["holes", "dropout"])
 def test_other_calls_are_hfs_sdpa_exactly(case, monkeypatch):
-    name = "mistral-sliding" if case == "sliding-window" else "llama"
+    name = "llama"
     model = build(name)
     if case == "dropout":
         for module in model.modules():
