@@ -169,9 +169,12 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
             return CausalSegmentsMask.of_rows(rows, built.device)
         window = kwargs.get("local_size")
         if type(window) is int and 0 < window < tokens:
-            found = windowed_rows(built, padding, window, tokens)
-            if found is not None:
-                rows = tuple(((0, first, end, tokens),) for first, end in found)
+            if padding is None:
+                rows = packed_sequences(built, tokens, window)
+            if rows is None:
+                found = windowed_rows(built, padding, window, tokens)
+                rows = None if found is None else tuple(((0, first, end, tokens),) for first, end in found)
+            if rows is not None:
                 return CausalSegmentsMask.of_rows(rows, built.device, window)
     return built
 
@@ -207,23 +210,32 @@ def _equal_by_blocks(mask_rows: torch.Tensor, expected: Any, tokens: int) -> boo
     return True
 
 
-def packed_sequences(mask: torch.Tensor, tokens: int) -> tuple[tuple[Segment, ...], ...] | None:
+def packed_sequences(
+    mask: torch.Tensor, tokens: int, window: int | None = None
+) -> tuple[tuple[Segment, ...], ...] | None:
     """Per batch row, the segments of a boolean [batch, 1, tokens, tokens] mask that is exactly causal within
-    consecutive segments covering the row (packed sequences, no padding); None otherwise."""
+    consecutive segments covering the row (packed sequences, no padding), within a sliding `window` if one
+    is given; None otherwise."""
     if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tokens, tokens):
         return None
+    if window is not None and window < 2:
+        return None  # a query seeing only itself would not tell a sequence's start
     mask_rows = mask[:, 0]
     if not bool(mask_rows.diagonal(dim1=-2, dim2=-1).all()):
         return None
     positions = torch.arange(tokens, device=mask.device)
-    # per query, the first key it sees: its sequence's start (checked below). Read through a uint8 view: a
-    # copy or a sum of the [tokens x tokens] mask would allocate it again, a sum 8 bytes per element.
-    starts = mask_rows.view(torch.uint8).argmax(-1)
-    first = starts == positions
-    if not bool((first | (starts == torch.cat([starts[:, :1], starts[:, :-1]], dim=-1))).all()):
-        return None
+    # A sequence starts where a query sees no earlier key. The first key each query sees, read through a uint8
+    # view: a copy or a sum of the [tokens x tokens] mask would allocate it again, a sum 8 bytes per element.
+    first = mask_rows.view(torch.uint8).argmax(-1) == positions
+    starts = torch.cummax(torch.where(first, positions, 0), dim=-1).values  # each query's sequence's start
     keys = positions[None, None, :]
-    if not _equal_by_blocks(mask_rows, lambda q: (keys >= starts[:, q, None]) & (keys <= q[None, :, None]), tokens):
+
+    def expected(queries: torch.Tensor) -> torch.Tensor:
+        q = queries[None, :, None]
+        sees = (keys >= starts[:, queries, None]) & (keys <= q)
+        return sees if window is None else sees & (keys > q - window)
+
+    if not _equal_by_blocks(mask_rows, expected, tokens):
         return None
     rows = []
     for row in first.tolist():

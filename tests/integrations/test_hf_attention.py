@@ -139,11 +139,13 @@ def assert_same(ours, expected, bf16: bool = False) -> None:
     # round otherwise: one element of Gemma 3's windowed padding queries differed by 0.026 on a scale of ~3)
     hidden_atol = 2e-2 * float(ref_hidden.abs().max()) if bf16 and ref_hidden.numel() else FP32["atol"]
     torch.testing.assert_close(hidden, ref_hidden, rtol=tolerance["rtol"], atol=hidden_atol)
-    # bf16: each gradient to 2% of its own scale, but at least of 1e-4 of the largest one's (a gradient zero in
-    # exact arithmetic, OPT's key bias: softmax ignores a shift of all scores, is bf16's rounding noise)
+    # bf16: each gradient to 3% of its own scale, but at least of 1e-4 of the largest one's (a gradient zero in
+    # exact arithmetic, OPT's key bias: softmax ignores a shift of all scores, is bf16's rounding noise). 3%:
+    # Gemma 3's packed windowed layers differed by 2.5% in one element of a k_proj gradient whose own bf16
+    # error against fp32 is 2.7% (relative L2; ours 2.3%, closer to fp32 than HF's bf16 step).
     floor = 1e-4 * max(float(ref.abs().max()) for ref in ref_grads.values())
     for name, ref in ref_grads.items():
-        atol = 2e-2 * max(float(ref.abs().max()), floor) if bf16 else FP32["atol"]
+        atol = 3e-2 * max(float(ref.abs().max()), floor) if bf16 else FP32["atol"]
         torch.testing.assert_close(grads[name], ref, rtol=tolerance["rtol"], atol=atol, msg=name)
 
 
@@ -491,6 +493,19 @@ def test_on_a_gpu_the_decomposed_attention_gives_hfs_sdpa_results(layout, dtype)
     pairs = [(ours[0], expected[0]), (ours[1], expected[1])] + [(ours[2][k], v) for k, v in expected[2].items()]
     for got, reference in pairs:  # other kernels than the CPU's: other summation orders
         torch.testing.assert_close(got, reference, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["mistral-sliding", "gemma3-mixed-layers"])
+def test_packed_sequences_under_a_sliding_window_run_in_blocks(name, monkeypatch):
+    """Window 6 over packed sequences of up to 13 tokens: each sequence in blocks with small masks, none of
+    [tokens x tokens]; HF's results (the fp32 step; bf16 in the test above)."""
+    model = build(name)
+    expected = step(copy.deepcopy(model), packed_batch())
+    hf.enable(model, padded_attention=True)
+    counter = _CountMaskedSdpa(monkeypatch)
+    assert_same(step(model, packed_batch()), expected)
+    window = 6  # both models' sliding_window
+    assert counter.masked > 0 and math.prod(counter.largest_mask) <= window * (2 * window - 1)
 
 
 def test_packed_sequences_run_without_a_mask(monkeypatch):
