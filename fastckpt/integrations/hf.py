@@ -195,7 +195,7 @@ def enable(
     mask), as dense SDPA calls per sequence instead of one masked call: no [tokens x tokens] mask is built
     or kept, and the kernel skips the masked blocks (about half the attention's time on padded rows, more on
     packed ones). The loss and gradients are the same up to the kernels' summation order; any other mask
-    (holes in a row, sliding windows over packed sequences), dropout or a KV cache runs HF's sdpa unchanged.
+    (holes in a row), dropout or a KV cache runs HF's sdpa unchanged.
     Sliding-window layers run in blocks of the window's length, each with a small mask.
 
     `budget` (bytes of the step, "N%" of stock checkpointing's peak or a device total such as "20GiB"; instead

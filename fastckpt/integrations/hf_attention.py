@@ -22,10 +22,10 @@ gets the full mask computed for that use, so no code sees other values than HF's
 
 Installed by `fastckpt.integrations.hf.enable(model, padded_attention=True)` as an attention implementation
 registered with transformers (`AttentionInterface`, `AttentionMaskInterface`), named `fastckpt_sdpa`, on a
-model that uses "sdpa". A sliding-window layer's mask over padded rows is one of these forms with a window:
-the attention then runs in blocks of `window` queries, each over the keys its windows reach with a small
-mask of its own. Every call whose mask is not recognised (sliding windows over packed sequences, holes in a
-row, dropout, a KV cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward` unchanged.
+model that uses "sdpa". A sliding-window layer's mask over padded rows or packed sequences is one of these
+forms with a window: the attention then runs in blocks of `window` queries, each over the keys its windows
+reach with a small mask of its own. Every call whose mask is not recognised (holes in a row, dropout, a KV
+cache, position biases, torch.compile) runs HF's own `sdpa_attention_forward` unchanged.
 """
 
 from __future__ import annotations
