@@ -87,7 +87,7 @@ class CausalSegmentsMask(torch.Tensor):
 
     @classmethod
     def of_rows(
-        cls, rows: tuple[tuple[Segment, ...], ...], device: torch.device, window: int | None = None
+        cls, rows: tuple[tuple[Segment, ...], ...], window: int | None = None, *, device: torch.device
     ) -> CausalSegmentsMask:
         tokens = rows[0][-1][-1]
         segment_ids = torch.zeros(len(rows), tokens, dtype=torch.int32)
@@ -158,25 +158,33 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     causal = kwargs.get("mask_function", causal_mask_function) is causal_mask_function
     real = _real_blocks(padding, kwargs.get("batch_size"), tokens, kwargs.get("device")) if plain and causal else None
     if real is not None:
-        return CausalSegmentsMask.of_rows(tuple(((0, first, end, tokens),) for first, end in real), padding.device)
+        return CausalSegmentsMask.of_rows(_one_segment_each(real, tokens), device=padding.device)
     built = sdpa_mask(*args, **kwargs)
-    if plain and isinstance(built, torch.Tensor):  # another mask function may still give one of these masks
-        rows = packed_sequences(built, tokens) if padding is None else None
-        if rows is None:
-            found = padded_rows(built, built.shape[0], tokens)
-            rows = None if found is None else tuple(((0, first, end, tokens),) for first, end in found)
-        if rows is not None:
-            return CausalSegmentsMask.of_rows(rows, built.device)
-        window = kwargs.get("local_size")
-        if type(window) is int and 0 < window < tokens:
-            if padding is None:
-                rows = packed_sequences(built, tokens, window)
-            if rows is None:
-                found = windowed_rows(built, padding, window, tokens)
-                rows = None if found is None else tuple(((0, first, end, tokens),) for first, end in found)
-            if rows is not None:
-                return CausalSegmentsMask.of_rows(rows, built.device, window)
-    return built
+    form = _form_of(built, padding, kwargs.get("local_size"), tokens) if plain else None
+    return built if form is None else CausalSegmentsMask.of_rows(*form, device=built.device)
+
+
+def _one_segment_each(blocks: list[tuple[int, int]] | tuple, tokens: int) -> tuple[tuple[Segment, ...], ...]:
+    """Rows of one segment each, from their (first real token, end of the real tokens)."""
+    return tuple(((0, first, end, tokens),) for first, end in blocks)
+
+
+def _form_of(built: Any, padding: Any, window: Any, tokens: int) -> tuple[tuple, int | None] | None:
+    """(rows, window) of a CausalSegmentsMask with the values of `built` (a mask sdpa_mask made from the 2D
+    `padding` and, for a sliding-window layer, `window`), or None when it is none of those forms."""
+    if not isinstance(built, torch.Tensor):
+        return None
+    rows = packed_sequences(built, tokens) if padding is None else None
+    found = padded_rows(built, built.shape[0], tokens) if rows is None else None
+    if rows is not None or found is not None:
+        return rows or _one_segment_each(found, tokens), None  # causal (a window no shorter than the rows too)
+    if type(window) is not int or not 0 < window < tokens:
+        return None
+    rows = packed_sequences(built, tokens, window) if padding is None else None
+    found = windowed_rows(built, padding, window, tokens) if rows is None else None
+    if rows is None and found is None:
+        return None
+    return rows or _one_segment_each(found, tokens), window
 
 
 def _real_blocks(
@@ -324,7 +332,7 @@ def attention(
             rows, window = attention_mask.rows, attention_mask.window
     elif decomposable:
         found = padded_rows(attention_mask, batch, tokens)
-        rows = None if found is None else tuple(((0, first, end, tokens),) for first, end in found)
+        rows = None if found is None else _one_segment_each(found, tokens)
     if rows is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                     is_causal=is_causal, **kwargs)  # fmt: skip

@@ -343,7 +343,7 @@ def test_any_op_on_the_mask_sees_sdpas_mask():
 
 
 def _block_causal(rows: tuple) -> torch.Tensor:
-    return hf_attention.CausalSegmentsMask.of_rows(_packed_rows(rows), torch.device("cpu")).full()
+    return hf_attention.CausalSegmentsMask.of_rows(_packed_rows(rows), device=torch.device("cpu")).full()
 
 
 def test_recognises_packed_sequences_per_row():
