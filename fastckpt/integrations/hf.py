@@ -191,12 +191,11 @@ def enable(
 
     `padded_attention=True` (a model loaded with attn_implementation="sdpa") computes attention whose mask is
     causal over padded rows (each row's real tokens one block, padding before or after), or over packed
-    sequences (position ids that start again, no attention
-    mask), as dense SDPA calls per sequence instead of one masked call: no [tokens x tokens] mask is built
-    or kept, and the kernel skips the masked blocks (about half the attention's time on padded rows, more on
-    packed ones). The loss and gradients are the same up to the kernels' summation order; any other mask
-    (holes in a row), dropout or a KV cache runs HF's sdpa unchanged.
-    Sliding-window layers run in blocks of the window's length, each with a small mask.
+    sequences (position ids that start again, no attention mask), as dense SDPA calls per sequence instead
+    of one masked call: no [tokens x tokens] mask is kept, and the kernel skips the masked blocks (about
+    half the attention's time on padded rows, more on packed ones). Sliding-window layers run in blocks of
+    the window's length, each with a small mask. The loss and gradients are the same up to the kernels'
+    summation order; any other mask (holes in a row), dropout or a KV cache runs HF's sdpa unchanged.
 
     `budget` (bytes of the step, "N%" of stock checkpointing's peak or a device total such as "20GiB"; instead
     of `policy`) plans a policy per layer on the first training batch: the first forward in training mode
