@@ -515,9 +515,9 @@ def packed(size: str, device: torch.device, out: str | None) -> tuple[list[dict]
     _step(reference, batch, hf_loss, autocast=False)
     expected = _gradients(reference)
     del reference
-    models, steps, results = {}, {}, {}
+    steps, results = {}, {}
     for config, prepare in {PLAIN: lambda m: None, **PACKED_ROWS}.items():
-        model = models[config] = copy.deepcopy(base)
+        model = copy.deepcopy(base)
         prepare(model)
 
         def step(model=model) -> None:
