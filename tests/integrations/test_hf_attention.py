@@ -1,6 +1,8 @@
-"""hf.enable(model, padded_attention=True): the mask recogniser, and tiny transformers models against their
-own sdpa attention on right-padded batches (loss, every gradient, the hidden states at padded positions),
-the calls that must fall back to HF's sdpa (holes in the mask, sliding windows, dropout), and the refusals."""
+"""hf.enable(model, padded_attention=True): the mask recognisers and the mask function against transformers'
+`sdpa_mask`, the mask form (CausalSegmentsMask) under torch ops, and tiny transformers models against their own
+sdpa attention on right- and left-padded, packed and sliding-window batches (loss, every gradient, the hidden
+states at padded positions), the architecture sweep, Trainer and generation, the calls that must fall back to
+HF's sdpa (holes in the mask, dropout), and the refusals."""
 
 from __future__ import annotations
 
