@@ -116,3 +116,21 @@ def test_hugging_face_llama_padded_in_bf16():
     # autocast's casts of the weights (freed after the forward unless the layer's autograd saved them)
     assert any(cost.transient for cost in measurements.by_policy["int8"].segments)
     check_mixes(measurements, seed=2)
+
+
+def test_hugging_face_gemma3_sliding_windows_padded_in_bf16():
+    # padded attention's windowed layers (window 48 over rows of 192: blocks with small masks of their own)
+    # beside a full-attention one, the loss head, and the mask form every layer shares
+    config = transformers.Gemma3TextConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, query_pre_attn_scalar=16, sliding_window=48, vocab_size=256, max_position_embeddings=256,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"], pad_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForCausalLM(config).train()
+    ids = torch.randint(1, 256, (2, 192), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 128:] = 0
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
+    hf.enable(model, loss_head=True, padded_attention=True)
+    check_mixes(hf.measure(model, batch, autocast=torch.bfloat16, repeats=1, progress=False), seed=2)
