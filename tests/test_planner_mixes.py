@@ -99,19 +99,24 @@ def test_blocks_sharing_tensors_the_model_keeps_through_the_forward():
     check_mixes(measurements, seed=1)
 
 
-def test_hugging_face_llama_padded_in_bf16():
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=256, max_position_embeddings=256, pad_token_id=0, attn_implementation="sdpa",
-    )  # fmt: skip
+def _measured_on_a_padded_batch(model_class: str, config) -> Measurements:
+    """hf.measure in bf16 on two rows of 192 tokens, one padded from 128, with the loss head and padded attention."""
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).train()
+    model = getattr(transformers, model_class)(config).train()
     ids = torch.randint(1, 256, (2, 192), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
     mask[1, 128:] = 0
     batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
     hf.enable(model, loss_head=True, padded_attention=True)
-    measurements = hf.measure(model, batch, autocast=torch.bfloat16, repeats=1, progress=False)
+    return hf.measure(model, batch, autocast=torch.bfloat16, repeats=1, progress=False)
+
+
+def test_hugging_face_llama_padded_in_bf16():
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=256, pad_token_id=0, attn_implementation="sdpa",
+    )  # fmt: skip
+    measurements = _measured_on_a_padded_batch("LlamaForCausalLM", config)
     # what these layers share: position embeddings and the mask (stored once, held by some candidates), and
     # autocast's casts of the weights (freed after the forward unless the layer's autograd saved them)
     assert any(cost.transient for cost in measurements.by_policy["int8"].segments)
@@ -126,11 +131,4 @@ def test_hugging_face_gemma3_sliding_windows_padded_in_bf16():
         head_dim=16, query_pre_attn_scalar=16, sliding_window=48, vocab_size=256, max_position_embeddings=256,
         layer_types=["sliding_attention"] * 3 + ["full_attention"], pad_token_id=0, attn_implementation="sdpa",
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Gemma3ForCausalLM(config).train()
-    ids = torch.randint(1, 256, (2, 192), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, 128:] = 0
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-    hf.enable(model, loss_head=True, padded_attention=True)
-    check_mixes(hf.measure(model, batch, autocast=torch.bfloat16, repeats=1, progress=False), seed=2)
+    check_mixes(_measured_on_a_padded_batch("Gemma3ForCausalLM", config), seed=2)
