@@ -213,6 +213,30 @@ def _real_blocks(
     return [(f, f + n) for f, n in zip(first.tolist(), lengths.tolist(), strict=True)]
 
 
+def _sees(queries: Any, keys: Any, first: Any, end: Any, window: int | None = None) -> torch.Tensor:
+    """Whether each query sees each key of a segment whose real tokens are [first, end) (positions, broadcast:
+    queries [..., q, 1], keys [..., 1, k], first and end per row): a real key no later than the query, and
+    within `window` of it if one is given."""
+    sees = (keys <= queries) & (keys >= first) & (keys < end)
+    return sees if window is None else sees & (keys > queries - window)
+
+
+def _per_row(values: Any, device: torch.device) -> torch.Tensor:
+    """One int per batch row (a list or a tensor) as a [batch, 1, 1] tensor, to broadcast against [q, k]."""
+    return torch.as_tensor(values, device=device).reshape(-1, 1, 1)
+
+
+def _square_bool(mask: Any, tokens: int) -> bool:
+    """True when `mask` is a boolean [batch, 1, tokens, tokens] tensor."""
+    return (
+        isinstance(mask, torch.Tensor)
+        and mask.dtype == torch.bool
+        and mask.dim() == 4
+        and mask.shape[1] == 1
+        and mask.shape[2:] == (tokens, tokens)
+    )
+
+
 def _equal_by_blocks(mask_rows: torch.Tensor, expected: Any, tokens: int) -> bool:
     """mask_rows ([batch, tokens, tokens]) == expected(queries) for every block of queries (bounded memory)."""
     step = max(1, _CHECK_ELEMENTS // (tokens * mask_rows.shape[0]))
@@ -229,7 +253,7 @@ def packed_sequences(
     """Per batch row, the segments of a boolean [batch, 1, tokens, tokens] mask that is exactly causal within
     consecutive segments covering the row (packed sequences, no padding), within a sliding `window` if one
     is given; None otherwise."""
-    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tokens, tokens):
+    if not _square_bool(mask, tokens):
         return None
     if window is not None and window < 2:
         return None  # a query seeing only itself would not tell a sequence's start
@@ -261,7 +285,7 @@ def windowed_rows(mask: torch.Tensor, padding: Any, window: int, tokens: int) ->
     """Per batch row, (first real token, end of the real tokens) when `mask` (built by sdpa_mask from the 2D
     `padding`, or None) is exactly the sliding-window causal mask of `window` over each row's real tokens;
     None otherwise."""
-    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2:] != (tokens, tokens):
+    if not _square_bool(mask, tokens):
         return None
     batch = mask.shape[0]
     if padding is None:
@@ -270,16 +294,10 @@ def windowed_rows(mask: torch.Tensor, padding: Any, window: int, tokens: int) ->
         blocks = _real_blocks(padding, batch, tokens, mask.device, padded=False)
         if blocks is None:
             return None
-    positions = torch.arange(tokens, device=mask.device)
-    first = torch.tensor([b[0] for b in blocks], device=mask.device)[:, None, None]
-    end = torch.tensor([b[1] for b in blocks], device=mask.device)[:, None, None]
-    keys = positions[None, None, :]
-
-    def expected(queries: torch.Tensor) -> torch.Tensor:
-        q = queries[None, :, None]
-        return (keys <= q) & (keys > q - window) & (keys >= first) & (keys < end)
-
-    return blocks if _equal_by_blocks(mask[:, 0], expected, tokens) else None
+    keys = torch.arange(tokens, device=mask.device)[None, :]
+    first, end = (_per_row([block[i] for block in blocks], mask.device) for i in (0, 1))
+    found = _equal_by_blocks(mask[:, 0], lambda queries: _sees(queries[:, None], keys, first, end, window), tokens)
+    return blocks if found else None
 
 
 def padded_rows(mask: Any, batch: int, tokens: int) -> tuple[tuple[int, int], ...] | None:
@@ -288,9 +306,7 @@ def padded_rows(mask: Any, batch: int, tokens: int) -> tuple[tuple[int, int], ..
     row's real tokens, one block of at least one per row (padding on either side); None otherwise. The
     verdict is cached on the mask (all layers share it, recomputations pass it again) and recomputed when the
     mask is changed in place."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 4:
-        return None
-    if mask.shape[1] != 1 or mask.shape[2] != tokens or mask.shape[3] != tokens or mask.shape[0] not in (1, batch):
+    if not _square_bool(mask, tokens) or mask.shape[0] not in (1, batch):
         return None
     cached = mask.__dict__.get(_RECOGNISED)
     if cached is not None and cached[0] == mask._version:
@@ -302,8 +318,8 @@ def padded_rows(mask: Any, batch: int, tokens: int) -> tuple[tuple[int, int], ..
     positions = torch.arange(tokens, device=mask.device)
     block = (positions >= first[:, None]) & (positions < (first + lengths)[:, None])
     found = bool((lengths > 0).all()) and torch.equal(keys, block)
-    # causal and a real key
-    found = found and _equal_by_blocks(mask_rows, lambda q: (positions[None, :] <= q[:, None]) & keys[:, None], tokens)
+    start, end = _per_row(first, mask.device), _per_row(first + lengths, mask.device)
+    found = found and _equal_by_blocks(mask_rows, lambda q: _sees(q[:, None], positions[None, :], start, end), tokens)
     result = tuple(zip(first.tolist(), (first + lengths).tolist(), strict=True)) if found else None
     mask.__dict__[_RECOGNISED] = (mask._version, result)
     return result
@@ -362,12 +378,11 @@ def attention(
         blocks of `window` queries, each over the keys its window can reach (fewer than 2 x window), with
         that block's mask for every row (small, computed here)."""
         positions = torch.arange(q.shape[2], device=q.device)
-        first, end = (torch.as_tensor(x, device=q.device).reshape(-1, 1, 1) for x in (first, end))
+        first, end = _per_row(first, q.device), _per_row(end, q.device)
         parts = []
         for start in range(0, q.shape[2], window):
             stop, reach = min(start + window, q.shape[2]), max(0, start - window + 1)
-            queries, keys = positions[start:stop, None], positions[None, reach:stop]
-            sees = (keys <= queries) & (keys > queries - window) & (keys >= first) & (keys < end)
+            sees = _sees(positions[start:stop, None], positions[None, reach:stop], first, end, window)
             parts.append(sdpa(module, q[:, :, start:stop], k[:, :, reach:stop], v[:, :, reach:stop], sees[:, None],
                               scaling=scaling, is_causal=False, **kwargs)[0])  # fmt: skip
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
@@ -383,9 +398,8 @@ def attention(
             parts.append(sdpa(module, query[:, :, :plain], key[:, :, :plain], value[:, :, :plain], None,
                               scaling=scaling, is_causal=True, **kwargs)[0])  # fmt: skip
         positions = torch.arange(tokens, device=query.device)
-        queries, keys = positions[plain:, None], positions[None, :]
-        first, end = (torch.tensor(x, device=query.device).reshape(-1, 1, 1) for x in (firsts, ends))
-        sees = (keys <= queries) & (keys >= first) & (keys < end)
+        sees = _sees(positions[plain:, None], positions[None, :], _per_row(firsts, query.device),
+                     _per_row(ends, query.device))  # fmt: skip
         parts.append(sdpa(module, query[:, :, plain:], key, value, sees[:, None], scaling=scaling, is_causal=False,
                           **kwargs)[0])  # fmt: skip
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
