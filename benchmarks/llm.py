@@ -268,7 +268,10 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
             models.pop(PLAN, None)
     times, timing_failed = median_times({name: timed(name) for name in models}, device, warmup, rounds)
     failed.update(timing_failed)
-    table = _table(lora, layers, tokens, results, times, failed, _trained_bytes(base))
+    name = "llama-lora" if lora else "llama-full"
+    heading = (f"{name}: {layers} layers, 1 x {tokens} tokens (last quarter padding), bf16 autocast, "
+               f"{'LoRA r=8 on ' + '/'.join(LORA_TARGETS) if lora else 'full fine-tune'}")  # fmt: skip
+    table = _table(name, heading, layers, tokens, results, times, failed, None if lora else _trained_bytes(base))
     for note in notes:
         print(note)
     return table, failed
@@ -304,25 +307,25 @@ def _planned(base: torch.nn.Module, batch: dict, budget: int, set_as: str) -> tu
     return model, note + (f"; {plan.tail.name}" if plan.tail is not None else "")  # the chunk the plan chose
 
 
-def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[dict]:
-    name = "llama-lora" if lora else "llama-full"
+def _table(workload, heading, layers, tokens, results, times, failed, trained_bytes=None) -> list[dict]:
+    """Print and return the rows of one table ("== heading"); with `trained_bytes` (a full fine-tune), also the
+    peak less the parameter gradients."""
     gc, plain = results[HF_GC], results[PLAIN]
-    print(f"\n== {name}: {layers} layers, 1 x {tokens} tokens (last quarter padding), bf16 autocast, "
-          f"{'LoRA r=8 on ' + '/'.join(LORA_TARGETS) if lora else 'full fine-tune'}")  # fmt: skip
+    print(f"\n== {heading}")
     header = f"{'config':<62}{'peak MiB':>10}{'x HF GC':>9}{'ms/step':>10}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}"
-    if not lora:
+    if trained_bytes is not None:
         header += f"{'peak-grads MiB':>16}{'x HF GC':>9}"
     print(header)
     table = []
     for config, r in results.items():
         row = {
-            "workload": name, "config": config, "layers": layers, "tokens": tokens,
+            "workload": workload, "config": config, "layers": layers, "tokens": tokens,
             "peak_MiB": r["peak"] / 2**20, "peak_x_hf_gc": r["peak"] / gc["peak"],
             "ms_per_step": times[config] * 1e3 if config in times else None,
             "time_x_hf_gc": times[config] / times[HF_GC] if config in times and HF_GC in times else None,
             "grad_rel_l2": r["error"], "error_x_bf16": r["error"] / plain["error"],
         }  # fmt: skip
-        if not lora:
+        if trained_bytes is not None:
             less = r["peak"] - trained_bytes
             row["peak_less_grads_MiB"] = less / 2**20
             row["less_grads_x_hf_gc"] = less / (gc["peak"] - trained_bytes)
@@ -330,7 +333,7 @@ def _table(lora, layers, tokens, results, times, failed, trained_bytes) -> list[
         line = (f"{config:<62}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
                 f"{_fmt(row['ms_per_step'], '.0f'):>10}{_fmt(row['time_x_hf_gc'], '.3f'):>9}"
                 f"{row['grad_rel_l2']:>10.2e}{row['error_x_bf16']:>8.2f}")  # fmt: skip
-        if not lora:
+        if trained_bytes is not None:
             line += f"{row['peak_less_grads_MiB']:>16.1f}{row['less_grads_x_hf_gc']:>9.3f}"
         print(line, flush=True)
     for config, error in failed.items():
@@ -530,24 +533,9 @@ def packed(size: str, device: torch.device, out: str | None) -> tuple[list[dict]
         model.zero_grad(set_to_none=True)
         steps[config] = step
     times, failed = median_times({c: steps[c] for c in PACKED_ROWS}, device, 0, rounds)
-    print(f"\n== packed sequences (llama-lora): {layers} layers, 1 x {tokens} tokens packed from "
-          f"{len(PACKED_WEIGHTS)} sequences, bf16 autocast")  # fmt: skip
-    print(f"{'config':<62}{'peak MiB':>10}{'x HF GC':>9}{'ms/step':>10}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}")
-    table = []
-    for config, r in results.items():
-        row = {
-            "workload": "llama-lora-packed", "config": config, "layers": layers, "tokens": tokens,
-            "peak_MiB": r["peak"] / 2**20, "peak_x_hf_gc": r["peak"] / results[HF_GC]["peak"],
-            "ms_per_step": times[config] * 1e3 if config in times else None,
-            "time_x_hf_gc": times[config] / times[HF_GC] if config in times and HF_GC in times else None,
-            "grad_rel_l2": r["error"], "error_x_bf16": r["error"] / results[PLAIN]["error"],
-        }  # fmt: skip
-        table.append(row)
-        print(f"{config:<62}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
-              f"{_fmt(row['ms_per_step'], '.0f'):>10}{_fmt(row['time_x_hf_gc'], '.3f'):>9}"
-              f"{row['grad_rel_l2']:>10.2e}{row['error_x_bf16']:>8.2f}", flush=True)  # fmt: skip
-    for config, error in failed.items():
-        print(f"{config:<62}FAILED: {error}")
+    heading = (f"packed sequences (llama-lora): {layers} layers, 1 x {tokens} tokens packed from "
+               f"{len(PACKED_WEIGHTS)} sequences, bf16 autocast")  # fmt: skip
+    table = _table("llama-lora-packed", heading, layers, tokens, results, times, failed)
     if out:
         write_csv(table, out, "llm_packed.csv")
     return table, failed
