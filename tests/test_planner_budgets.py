@@ -32,13 +32,18 @@ def test_resident_counts_parameters_gradients_and_optimizer_state():
     x = torch.randn(4, 256, 64)
     model(x).pow(2).mean().backward()
     optimizer.step()
-    after = Resident.measure(model, torch.device("cpu"), optimizer)
     unused = sum(p.numel() * 4 for p in model.side.parameters())  # not in the forward: no gradient, no state
     stepped = sum(1 for p in model.parameters() if p.grad is not None)
-    assert (after.gradients, after.pending_gradients) == (weights, unused)
+    # A loop that sets the gradients to None before each step (the default): its step allocates all of them.
+    after = Resident.measure(model, torch.device("cpu"), optimizer)
+    assert (after.gradients, after.pending_gradients) == (weights, weights)
     # Allocated moments, a 4-byte step counter per stepped parameter, and the unused ones' moments to come.
     assert after.optimizer == 2 * weights + 4 * stepped
-    assert after.before_step == before.before_step + (weights - unused) + 4 * stepped
+    assert after.before_step == before.before_step + 4 * stepped
+    # A loop that keeps them: those that exist are live before the step.
+    kept = Resident.measure(model, torch.device("cpu"), optimizer, gradients="kept")
+    assert (kept.gradients, kept.pending_gradients) == (weights, unused)
+    assert kept.before_step == before.before_step + (weights - unused) + 4 * stepped
     momentum = Resident.measure(model, torch.device("cpu"), torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     assert momentum.optimizer == weights
     assert Resident.measure(model, torch.device("cpu"), torch.optim.SGD(model.parameters(), lr=0.1)).optimizer == 0

@@ -4,12 +4,14 @@
   measures);
 - "N%": N percent of the step's peak with every segment under 'recompute' (stock checkpointing);
 - "20GiB", "1.5 GB", "800MiB", "2e9B": the device's total, what is live before the step (parameters, buffers,
-  gradients kept between steps, optimizer state, anything else allocated) plus the step's peak. What is live
-  before the step is measured once, by `Resident.measure`, before measure() runs its first step.
+  gradients kept between steps when the loop keeps them, optimizer state, anything else allocated) plus the
+  step's peak. What is live before the step is measured once, by `Resident.measure`, before measure() runs its
+  first step; the optimizer's state again once the planner's runs have stepped it (`Resident.with_state_of`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -43,7 +45,8 @@ class Resident:
     """What is live on the model's device before the step, which no plan removes (bytes).
 
     parameters: the model's parameters and buffers. gradients: the parameters' gradients, those that exist
-    before the step and those its backward allocates (already in the step's peak: `pending_gradients`).
+    before the step and those its backward allocates (already in the step's peak: `pending_gradients`; all of
+    them in a loop that sets them to None before each step).
     optimizer: the optimizer's state, allocated or (before its first step, for the optimizers of _STATE_SLOTS)
     what its first step allocates. other: anything else the device's allocator holds (CUDA); on CPU there is no
     allocator count and only the model's and the optimizer's tensors are known, so it is 0.
@@ -76,44 +79,57 @@ class Resident:
             parts.append(f"other allocated tensors {format_bytes(self.other)}")
         return ", ".join(parts)
 
+    def with_state_of(self, optimizer: Any, device: torch.device) -> Resident:
+        """This, with the optimizer's state as allocated now (after a step) where that is more than was counted."""
+        allocated = _nbytes((t for s in optimizer.state.values() for t in s.values()), device, set())
+        return dataclasses.replace(self, optimizer=max(self.optimizer, allocated))
+
     @classmethod
-    def measure(cls, model: nn.Module, device: torch.device, optimizer: Any = None) -> Resident:
-        """What is live on `device` now for `model` (and `optimizer`, whose not yet allocated state is estimated)."""
+    def measure(
+        cls, model: nn.Module, device: torch.device, optimizer: Any = None, gradients: str = "set_to_none"
+    ) -> Resident:
+        """What is live on `device` now for `model` (and `optimizer`, whose not yet allocated state is estimated),
+        before a step of a loop that leaves the gradients as `gradients` says (fastckpt.planner.iteration):
+        'set_to_none', the step allocates all of them; 'kept', they exist before it, but for those that do not
+        exist yet, which the step allocates."""
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "fastckpt.plan: `optimizer` must be a torch.optim.Optimizer (its state counts towards a total "
                 f"budget), got {type(optimizer).__name__}"
             )
         seen: set[int] = set()
-
-        def nbytes(tensors: Any) -> int:
-            total = 0
-            for tensor in tensors:
-                if not isinstance(tensor, torch.Tensor) or tensor.device != device:
-                    continue
-                storage = tensor.untyped_storage()
-                if storage.data_ptr() in seen or storage.nbytes() == 0:
-                    continue
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-            return total
-
         parameters = list(model.parameters())
-        weights = nbytes([*parameters, *model.buffers()])
-        gradients = nbytes(p.grad for p in parameters)
-        pending = sum(
-            p.numel() * p.element_size()
-            for p in parameters
-            if p.requires_grad and p.grad is None and p.device == device
-        )
+        weights = _nbytes([*parameters, *model.buffers()], device, seen)
+        existing = _nbytes((p.grad for p in parameters), device, seen)
+        trained = [p for p in parameters if p.requires_grad and p.device == device]
+        every = sum(p.numel() * p.element_size() for p in trained)
+        # The gradients the step allocates (in its peak, not before it): all of them when the loop sets them to
+        # None before each step, else those that do not exist yet.
+        pending = every if gradients == "set_to_none" else sum(p.numel() * p.element_size() for p in trained
+                                                                if p.grad is None)  # fmt: skip
         state = pending_state = 0
         if optimizer is not None:
-            state = nbytes(t for s in optimizer.state.values() for t in s.values())
+            state = _nbytes((t for s in optimizer.state.values() for t in s.values()), device, seen)
             pending_state = _pending_state(optimizer, device)
         other = 0
         if device.type == "cuda":  # what the allocator holds besides the tensors counted (allocated ones only)
-            other = max(0, torch.cuda.memory_allocated(device) - weights - gradients - state)
-        return cls(weights, gradients + pending, pending, state + pending_state, other)
+            other = max(0, torch.cuda.memory_allocated(device) - weights - existing - state)
+        gradients_bytes = every if gradients == "set_to_none" else existing + pending
+        return cls(weights, gradients_bytes, pending, state + pending_state, other)
+
+
+def _nbytes(tensors: Any, device: torch.device, seen: set[int]) -> int:
+    """Bytes of the storages of `tensors` on `device`, each counted once (`seen`: storages already counted)."""
+    total = 0
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+            continue
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen or storage.nbytes() == 0:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
 
 
 def _pending_state(optimizer: Any, device: torch.device) -> int:

@@ -26,12 +26,11 @@ the tensors from before the first segment each holds past the forward, and (CPU)
 
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -400,27 +399,6 @@ def _timed_run(
 
     per_segment = [duration(f"fwd{i}") + duration(f"bwd{i}") for i in range(n)]
     return [*per_segment, at[recorder.keys.index("end")] - at[recorder.keys.index("start")]]
-
-
-@contextlib.contextmanager
-def grad_hooks_suspended(model: nn.Module) -> Iterator[None]:
-    """The parameters' post-accumulate-grad hooks taken off for the duration: what runs there (DeepSpeed ZeRO's
-    gradient reduction, an optimizer stepped in the backward) belongs to training steps, not to the planner's
-    (a planning step would reduce a gradient twice, or move the parameters)."""
-    suspended = []
-    for p in model.parameters():
-        hooks = getattr(p, "_post_accumulate_grad_hooks", None)  # the dict autograd reads: emptied, refilled
-        if hooks:
-            suspended.append((hooks, dict(hooks)))
-            hooks.clear()
-    try:
-        yield
-    finally:
-        for hooks, saved in suspended:
-            added = dict(hooks)  # registered meanwhile: kept, after the earlier ones
-            hooks.clear()
-            hooks.update(saved)
-            hooks.update(added)
 
 
 def measure_candidates(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -14,7 +15,8 @@ from fastckpt.planner import model as peak_model
 from fastckpt.planner.budgets import Resident, check_budget, format_bytes, is_total, step_bytes
 from fastckpt.planner.candidates import NONE, REFERENCE, Candidate, parse_candidate, parse_candidates
 from fastckpt.planner.checks import probe, samples_mixed
-from fastckpt.planner.measurement import grad_hooks_suspended, gradient_errors, measure_candidates, timing_rounds
+from fastckpt.planner.iteration import Iteration, check_gradients
+from fastckpt.planner.measurement import gradient_errors, measure_candidates, timing_rounds
 from fastckpt.planner.model import CandidateMeasurement, TailOption
 from fastckpt.planner.segments import Segment, check_arguments, device_of, find_segments
 from fastckpt.policies import Policy
@@ -34,12 +36,14 @@ class Measurements:
         max_error: float | None = None,
         failed: dict[str, str] | None = None,
         parsed: Iterable[Candidate] = (),
-        step: Callable[[], Any] | None = None,
+        step: Callable[[], Any] | Iteration | None = None,
         resident: Resident | None = None,
         skipped: dict[str, str] | None = None,
     ) -> None:
         self.model = model
-        self.step = step  # the measured step: plans are verified by running it (None: they cannot be)
+        # The measured step, as the planner ran it (an Iteration: fastckpt.planner.iteration): plans are verified by
+        # running it (None: they cannot be).
+        self.step = step
         self.resident = resident  # what was live before the step (device-total budgets); None: not known
         self.segments = segments
         self.by_policy = by_policy
@@ -165,9 +169,15 @@ class Measurements:
         """The peak of one step with `plan` applied (then removed again)."""
         from fastckpt.memory import peak_bytes
 
+        iteration = self.step if isinstance(self.step, Iteration) else None
         plan.apply()
         try:
-            return peak_bytes(self.step, device_of(self.model))
+            if iteration is None:
+                return peak_bytes(self.step, device_of(self.model))
+            with iteration.session():
+                if iteration.warm_up_needed:  # the planner's own gradients or the optimizer's state: not in the step
+                    iteration()
+                return peak_bytes(iteration, device_of(self.model))
         finally:
             plan.remove()
 
@@ -366,6 +376,7 @@ def plan(
     verify: bool = True,
     progress: bool = True,
     optimizer: Any = None,
+    gradients: str = "set_to_none",
 ) -> Plan:
     """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
 
@@ -405,7 +416,15 @@ def plan(
     if not isinstance(verify, bool):
         raise TypeError(f"fastckpt.plan: `verify` must be True or False, got {verify!r}")
     measured = measure(
-        model, step, check_fn, candidates, repeats=repeats, max_error=max_error, progress=progress, optimizer=optimizer
+        model,
+        step,
+        check_fn,
+        candidates,
+        repeats=repeats,
+        max_error=max_error,
+        progress=progress,
+        optimizer=optimizer,
+        gradients=gradients,
     )
     return measured.plan(budget, verify=verify)
 
@@ -420,18 +439,25 @@ def measure(
     max_error: float | None = None,
     progress: bool = True,
     optimizer: Any = None,
+    gradients: str = "set_to_none",
 ) -> Measurements:
     """Measure every candidate on the segments (what `plan` does before solving); plan any budget from it.
     `progress`: a progress bar of the step() runs with the remaining time (tqdm, on a terminal only).
-    `optimizer`: its state counts towards device-total budgets (before its first step, Adam-like optimizers'
-    and SGD momentum's state is counted as what that step will allocate; others' only once allocated)."""
+    `optimizer`: every run is the whole iteration, step() then `optimizer.step()` (its temporaries are in the
+    peak), and its state counts towards device-total budgets: what its first step allocates, measured (at least,
+    before its first step, Adam-like optimizers' and SGD momentum's state); the parameters and the optimizer's
+    state are put back after the runs. `gradients`: what the loop does with the gradients before each step,
+    'set_to_none' (default: `zero_grad()`, torch's and Trainer's default; every run starts with no gradients, so
+    the peak has those backward allocates) or 'kept' (accumulated into, as with `zero_grad(set_to_none=False)`);
+    the caller's gradients are left as they are (fastckpt.planner.iteration)."""
     check_arguments(model, step, check_fn, repeats, max_error)
+    check_gradients(gradients)
     if not isinstance(progress, bool):
         raise TypeError(f"fastckpt.plan: `progress` must be True or False, got {progress!r}")
     parsed = parse_candidates(candidates)
     segments = find_segments(model, check_fn)
     device = device_of(model)
-    resident = Resident.measure(model, device, optimizer)  # before any step of ours
+    resident = Resident.measure(model, device, optimizer, gradients)  # before any step of ours
     names = [candidate.name for candidate in parsed]
     measured = parsed if REFERENCE in names else [*parsed, parse_candidate(REFERENCE)]
     watched = frozenset().union(*(c.selective.within or () for c in parsed if c.selective is not None))
@@ -439,14 +465,10 @@ def measure(
     bar = _progress_bar(
         int(probing) + 1 + len(measured) + _after_tracing(segments, measured, repeats, max_error), progress
     )
-    given_step = step
-
-    def user_step() -> Any:  # the user's step, as every run of it here (and the verifying one) calls it
-        with grad_hooks_suspended(model):
-            return given_step()
+    iteration = Iteration(model, step, gradients, optimizer)  # every run of the user's step (the verifying one too)
 
     def step() -> Any:
-        result = user_step()
+        result = iteration()
         bar.update()
         return result
 
@@ -454,7 +476,7 @@ def measure(
     # user named them, silently (listed in table()) when they are defaults: a batch slice needs segments that
     # take nothing else batched, and the kept attention needs attention.
     refused: dict[str, str] = {}
-    try:
+    with iteration.session(), contextlib.closing(bar):
         if probing:
             probed = probe(segments, step, watched)
             slicing = samples_mixed(segments, probed, device, parsed)
@@ -480,12 +502,12 @@ def measure(
             quiet=quiet,
             on_traced=lambda ran: _recount(bar, _after_tracing(segments, ran, repeats, max_error)),
         )
+        if optimizer is not None:  # the runs stepped it: what its first step allocates, measured
+            resident = resident.with_state_of(optimizer, device)
         if max_error is not None:
             ran = [c for c in measured if c.name in by_policy]
             for name, error in gradient_errors(model, segments, step, ran, device).items():
                 by_policy[name].grad_error = error
-    finally:
-        bar.close()
     skipped = {name: failed.pop(name) for name in quiet if name in failed}
     for name, why in refused.items():
         if candidates is None:
@@ -501,7 +523,7 @@ def measure(
         max_error,
         failed,
         parsed=measured,
-        step=user_step,
+        step=iteration,
         resident=resident,
         skipped=skipped,
     )
