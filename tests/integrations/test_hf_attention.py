@@ -17,7 +17,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fastckpt.integrations import hf, hf_attention  # noqa: E402
+from fastckpt.integrations import hf  # noqa: E402
+from fastckpt.integrations.hf import attention as hf_attention  # noqa: E402
 from tests.helpers import TINY_MAMBA2, tiny_decoder_config  # noqa: E402
 from tests.integrations import test_hf_zoo  # noqa: E402
 

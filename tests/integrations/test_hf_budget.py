@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
+from fastckpt.integrations.hf import planning  # noqa: E402
 from tests.integrations.test_hf import LAYERS, batch, tiny_llama  # noqa: E402
 
 # Two candidates, one repeat, no progress bar: a plan in a few seconds. With "recompute" alone the plan is
@@ -151,7 +152,7 @@ def test_the_same_elements_in_longer_rows_plan_again_and_alternating_shapes_swap
     assert "planning again" not in caplog.text
     step(model, full)  # 2 x 24 covers both earlier shapes: one plan is left
     third = hf.planned(model)
-    assert model.__dict__[hf._FirstBatchPlan.PLANS] == [(hf._FirstBatchPlan._shapes(full), third)]
+    assert model.__dict__[planning._FirstBatchPlan.PLANS] == [(planning._FirstBatchPlan._shapes(full), third)]
     for smaller in (wide, long):
         step(model, smaller)
         assert hf.planned(model) is third
@@ -184,7 +185,7 @@ def test_under_torch_distributed_a_larger_batch_warns_instead_of_planning(monkey
     short = {name: value[:, :12] for name, value in sample().items()}
     step(model, short)
     first = hf.planned(model)
-    monkeypatch.setattr(hf, "_distributed", lambda: True)
+    monkeypatch.setattr(planning, "_distributed", lambda: True)
     with pytest.warns(UserWarning, match=r"larger than the planned one \(input_ids 2x12 -> 2x24.*torch.distributed"):
         step(model, sample())
     assert hf.planned(model) is first and first.applied

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastckpt import linear_cross_entropy  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
+from fastckpt.integrations.hf import loss_head as hf_loss_head  # noqa: E402
 from tests.helpers import TINY_DECODER, TINY_MAMBA2, tiny_decoder_config  # noqa: E402
 
 VOCAB = 256
@@ -67,7 +68,7 @@ ARCHS = {
         "MixtralForCausalLM",
         _decoder("MixtralConfig", **MOE, output_router_logits=True),
     ),
-    # the other classes whose forward soft-caps or scales the logits (hf._HEAD_POSTPROCESSING)
+    # the other classes whose forward soft-caps or scales the logits (hf/families.py's _HEAD_POSTPROCESSING)
     "gemma3n-softcap": (
         "Gemma3nForCausalLM",
         _decoder(
@@ -585,7 +586,7 @@ def test_trainer_with_gradient_accumulation(tmp_path, monkeypatch):
         divisors.append(kwargs["num_items_in_batch"])
         return linear_cross_entropy(*args, **kwargs)
 
-    monkeypatch.setattr(hf, "linear_cross_entropy", counted)
+    monkeypatch.setattr(hf_loss_head, "linear_cross_entropy", counted)
     losses, weights = _train(ours, tmp_path, "ours")
     monkeypatch.undo()
     # 2 optimizer steps x 2 micro-batches, each normalised by the tokens of its step's two micro-batches

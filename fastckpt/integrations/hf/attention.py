@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map_only
 
+from fastckpt import _compat
+
 NAME = "fastckpt_sdpa"
 _RECOGNISED = "_fastckpt_padded_rows"  # (mask._version, padded_rows' verdict), set on the mask tensor
 _CHECK_ELEMENTS = 1 << 22  # mask elements compared at a time while recognising (bounds the check's memory)
@@ -77,7 +79,7 @@ class CausalSegmentsMask(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001 (torch's signature)
         # Tensor's own would turn every result into this class; the ops go on to __torch_dispatch__ as they are.
-        with torch._C.DisableTorchFunctionSubclass():
+        with _compat.require("disable_torch_function_subclass")():
             return func(*args, **(kwargs or {}))
 
     @staticmethod
@@ -433,7 +435,9 @@ def _attention_configs(model: torch.nn.Module) -> list[Any]:
 
 
 def check(model: torch.nn.Module) -> None:
-    """ValueError, naming the fix, unless `model`'s attention implementation is "sdpa" (or already NAME)."""
+    """ValueError, naming the fix, unless `model`'s attention implementation is "sdpa" (or already NAME);
+    RuntimeError where this torch lacks what the mask form's ops need."""
+    _compat.require("disable_torch_function_subclass")
     current = {config._attn_implementation for config in _attention_configs(model)}
     if not current or not current <= {"sdpa", NAME}:
         without_sdpa = sorted(

@@ -1,0 +1,22 @@
+"""Hugging Face transformers: gradient checkpointing through fastckpt, with HF's own layer selection.
+
+One concept per file; each imports only files listed after it:
+
+- checkpointing.py: `enable`, `disable`, `is_enabled`: HF's checkpointing layers pointed at fastckpt.checkpoint,
+  and the switches of what the files below hold;
+- planning.py: `plan`, `measure` (fastckpt's planner on a step built from a batch), `planned`, `PLAN_MAX_ERROR`
+  and `enable(budget=...)`'s plan on the first training batch (`_FirstBatchPlan`);
+- loss_head.py: `enable(loss_head=True)`, the training loss through fastckpt.linear_cross_entropy (`_LossHead`),
+  and `loss_head_enabled`;
+- families.py: what each model family's forward does to its logits before the loss (soft caps, scales);
+- attention.py: `enable(padded_attention=True)`, SDPA on padded or packed rows without the [tokens x tokens]
+  mask: the mask form (`CausalSegmentsMask`) and the calls per segment;
+- adapters.py: PEFT LoRA's input casts that autocast undoes, switched off (`_AdapterInputCasts`);
+- pretrained.py: the transformers PreTrainedModel behind the model passed (a PEFT model unwrapped).
+"""
+
+from fastckpt.integrations.hf.checkpointing import disable, enable, is_enabled
+from fastckpt.integrations.hf.loss_head import loss_head_enabled
+from fastckpt.integrations.hf.planning import PLAN_MAX_ERROR, measure, plan, planned
+
+__all__ = ["PLAN_MAX_ERROR", "disable", "enable", "is_enabled", "loss_head_enabled", "measure", "plan", "planned"]
