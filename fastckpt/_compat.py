@@ -360,6 +360,22 @@ def profiler_event_tree() -> Any:
     """torch._C._autograd._ProfilerResult.experimental_event_tree: a profile's events, with allocations."""
 
 
+# ---- padded attention (fastckpt/integrations/hf/attention.py) -------------------------------------------
+
+
+# Resolved on 2.14.1, where torch's own Tensor.__torch_function__ (torch/_tensor.py) enters it; the name since
+# torch 2.0 (1.13 had it as DisableTorchFunction), so every release from the floor has it. Not looked for in the
+# other releases' sources.
+@_probe(
+    "torch._C.DisableTorchFunctionSubclass",
+    since=FLOOR,
+    feature="padded attention's mask form (hf.enable(padded_attention=True): CausalSegmentsMask)",
+    without="Without it padded attention is refused; enable without padded_attention still works.",
+)
+def disable_torch_function_subclass() -> Any:
+    """torch._C.DisableTorchFunctionSubclass: a context in which ops skip tensor subclasses' __torch_function__."""
+
+
 # ---- fastckpt.info ------------------------------------------------------------------------------------
 
 

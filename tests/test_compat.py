@@ -57,7 +57,7 @@ def test_importing_fastckpt_resolves_no_probe():
 
 def test_fastckpt_reaches_private_torch_symbols_only_through_compat():
     private = re.compile(
-        r"torch\._C\._|torch\._functorch|torch\._prims|_python_dispatch import _|torch\.utils\._device"
+        r"torch\._C\b|torch\._functorch|torch\._prims|_python_dispatch import _|torch\.utils\._device"
         r"|_get_current_function_mode_stack|checkpoint\._[a-z]|\"_initialized\""
     )
     allowed = {"fastckpt/_compat.py"}
@@ -222,6 +222,19 @@ def test_without_dispatcher_queries_info_leaves_out_the_op_table(rename, name):
         info.kernels_by_op()
     text = info.report()
     assert text.startswith(f"{'fastckpt':<22}{fastckpt.__version__}") and "table of kernels per op" in text
+
+
+def test_without_disable_torch_function_subclass_padded_attention_is_refused(rename):
+    pytest.importorskip("transformers")
+    from fastckpt.integrations import hf
+    from tests.integrations.test_hf import tiny_llama
+
+    model = tiny_llama()
+    rename("disable_torch_function_subclass")
+    with pytest.raises(RuntimeError, match=r"padded attention's mask form .*enable without padded_attention"):
+        hf.enable(model, padded_attention=True)
+    assert not hf.is_enabled(model) and model.config._attn_implementation == "sdpa"  # refused before any change
+    assert hf.is_enabled(hf.enable(model))
 
 
 def test_without_autograd_cache_switch_the_patch_is_refused(rename):
