@@ -28,10 +28,9 @@ import argparse
 import importlib
 import os
 
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the CPU memory profiler quiet
-import torch  # noqa: E402
+import torch
 
-from benchmarks.workloads import WORKLOAD_NAMES  # noqa: E402
+from benchmarks.workloads import WORKLOAD_NAMES
 
 MODES = {
     "checkpoint": "benchmarks.checkpoint",

@@ -2,9 +2,10 @@
 
 GPU peak: torch.cuda.max_memory_allocated after a reset, minus what was allocated before the step.
 CPU peak: the allocation records of torch.profiler (profile_memory=True), replayed in time order; see
-`peak_bytes` for the exact definition. The profiler's own C++ log lines (kineto's `USDT: ...
-profiler_start`, allocator warnings) are written to the process's stderr file descriptor: they are
-caught there and dropped, while anything else written meanwhile is passed on.
+`peak_bytes` for the exact definition. fastckpt.memory drops the lines kineto writes to the process's stderr
+file descriptor as the profiler starts and stops; the CPU allocator's warning while the step runs (`Memory block
+of unknown size ...`, a free the profiler cannot size) is caught here and dropped, while anything else written
+meanwhile is passed on.
 """
 
 from __future__ import annotations
@@ -15,10 +16,8 @@ import math
 import os
 import re
 import statistics
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
@@ -91,33 +90,10 @@ def is_profiler_noise(line: str) -> bool:
     return bool(_LOG_PREFIX.match(line)) and bool(_PROFILER_WORDS.search(line))
 
 
-@contextlib.contextmanager
-def quiet_profiler_logs() -> Iterator[None]:
+def quiet_profiler_logs() -> contextlib.AbstractContextManager[None]:
     """Catch what is written to file descriptor 2 inside the block; afterwards pass on every line but the
     profiler's own (so a Python warning or a traceback printed meanwhile still shows, just later)."""
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:  # no fd 2 (an embedded interpreter): nothing to keep quiet
-        yield
-        return
-    with tempfile.TemporaryFile(mode="w+b") as caught:
-        os.dup2(caught.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            caught.seek(0)
-            kept = [
-                line
-                for line in caught.read().decode(errors="replace").splitlines(keepends=True)
-                if not is_profiler_noise(line)
-            ]
-            if kept:
-                sys.stderr.write("".join(kept))
-                sys.stderr.flush()
+    return memory.stderr_without(is_profiler_noise)
 
 
 def peak_bytes(step: Callable[[], None], device: torch.device) -> int:

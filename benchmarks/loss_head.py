@@ -19,7 +19,6 @@ checkpoint benchmark does), so that neither row is timed paging in fresh buffers
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.nn.functional as F
@@ -148,5 +147,4 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
-    os.environ.setdefault("KINETO_LOG_LEVEL", "5")
     main(args.device, args.out, args.quick)

@@ -31,17 +31,16 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # keep the CPU memory profiler quiet
-import torch  # noqa: E402
-import torch.utils.checkpoint as torch_checkpoint  # noqa: E402
-from torch import nn  # noqa: E402
+import torch
+import torch.utils.checkpoint as torch_checkpoint
+from torch import nn
 
-import fastckpt  # noqa: E402
-from benchmarks.checkpoint import max_rel_l2  # noqa: E402
-from benchmarks.harness import median_times, peak_bytes, quiet_profiler_logs, write_csv  # noqa: E402
-from benchmarks.report import fmt, missing  # noqa: E402
-from benchmarks.workloads import GPT2Block, GPT2Stack, StackShape, Workload, workloads  # noqa: E402
-from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, extended_candidates, measure  # noqa: E402
+import fastckpt
+from benchmarks.checkpoint import max_rel_l2
+from benchmarks.harness import median_times, peak_bytes, quiet_profiler_logs, write_csv
+from benchmarks.report import fmt, missing
+from benchmarks.workloads import GPT2Block, GPT2Stack, StackShape, Workload, workloads
+from fastckpt.planner import DEFAULT_CANDIDATES, Measurements, extended_candidates, measure
 
 BUDGETS = (1.0, 0.7, 0.5, 0.3)  # fractions of stock checkpoint's measured peak
 # The planner's defaults (None): the whole-segment policies, the fused attention's output kept int8 instead of

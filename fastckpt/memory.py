@@ -6,12 +6,18 @@ count there). CPU: there is no allocator counter, so the step runs under torch.p
 profile_memory=True; every allocation and free is a record with its address, and each mark is a
 zero-length profiler range. Replaying the records in time order gives the live bytes at each mark and the
 peak between marks. Frees of blocks allocated before the trace are ignored: the profiler reports one only
-when an earlier profiled run allocated it, which would make the numbers depend on history.
+when an earlier profiled run allocated it, which would make the numbers depend on history. The lines the
+profiler's C++ side (kineto) writes to stderr as it starts and stops are dropped (`stderr_without`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import os
+import re
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +25,12 @@ import torch
 from fastckpt import _compat
 
 _MARK = "fastckpt.memory.mark:"
+# What kineto writes to file descriptor 2 at every start and stop of the profiler, whatever it profiles: its trace
+# points ("USDT:<date> ... profiler_start", "profiler_stop") and, on a CUDA build without a GPU, the device count
+# it asks for ("ERROR:<date> ... DeviceProperties.cpp:56] gpuGetDeviceCount failed with code 35"). Only
+# KINETO_LOG_LEVEL=6 would keep them unwritten, read once at the process's first profile and hiding kineto's real
+# errors too (torch 2.14.1: USDT is level 5, ERROR 4).
+_KINETO_NOISE = re.compile(r"(?:USDT:\d{4}-\d\d-\d\d |ERROR:\d{4}-\d\d-\d\d .*\] gpuGetDeviceCount failed)")
 
 
 @dataclass(frozen=True)
@@ -58,7 +70,8 @@ class MemoryTrace:
             self._profiler = torch.profiler.profile(
                 activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
             )
-            self._profiler.__enter__()
+            with stderr_without(_KINETO_NOISE.match):
+                self._profiler.__enter__()
         return self
 
     def mark(self, key: str) -> None:
@@ -80,7 +93,8 @@ class MemoryTrace:
             self.mark("end")
             return
         self._keys.append("end")
-        self._profiler.__exit__(*exc)
+        with stderr_without(_KINETO_NOISE.match):
+            self._profiler.__exit__(*exc)
         if exc[0] is None:
             self.points, self.lifetimes = _replay(self._profiler, self._keys)
         self._profiler = None
@@ -145,3 +159,29 @@ def peak_bytes(step: Callable[[], object], device: torch.device | str = "cpu") -
     with MemoryTrace(device) as trace:
         step()
     return trace.peak
+
+
+@contextlib.contextmanager
+def stderr_without(noise: Callable[[str], object]) -> Iterator[None]:
+    """Catch what is written to file descriptor 2 inside the block (C++ code's lines too); afterwards pass on every
+    line but those `noise` is true for (so a Python warning or a traceback printed meanwhile still shows, later)."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no fd 2 (an embedded interpreter): nothing to drop
+        yield
+        return
+    with tempfile.TemporaryFile(mode="w+b") as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            lines = caught.read().decode(errors="replace").splitlines(keepends=True)
+            kept = [line for line in lines if not noise(line)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()

@@ -5,7 +5,9 @@ clear errors for bad options, a history-independent CPU peak, and the ops timing
 import csv
 import math
 import os
+import pathlib
 import re
+import subprocess
 import sys
 
 import pytest
@@ -22,6 +24,7 @@ from benchmarks.workloads import WORKLOAD_NAMES, workloads
 from tests.helpers import needs_in_graph_storage
 
 CPU = torch.device("cpu")
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROFILER_NOISE = ("USDT", "profiler_start", "profiler_stop", "gpuGetDeviceCount", "Memory block of unknown size")
 
 
@@ -321,6 +324,21 @@ def test_peak_bytes_passes_errors_and_stderr_through(capfd):
         peak_bytes(step, CPU)
     err = capfd.readouterr().err
     assert "a line the step writes to stderr" in err and "USDT" not in err
+
+
+def test_python_m_benchmarks_quick_prints_no_profiler_or_device_probe_lines(tmp_path):
+    """The cheapest section of `python -m benchmarks --quick` (the planner's, about 20 s: its verifying plans run
+    the profiler outside the harness's measurements) in a process of its own, as `make bench` runs it: no trace
+    point of kineto's (USDT ... profiler_start) and no ERROR line (gpuGetDeviceCount on a CUDA build without a
+    GPU)."""
+    environment = {name: value for name, value in os.environ.items() if name != "KINETO_LOG_LEVEL"}
+    command = [sys.executable, "-m", "benchmarks", "--quick", "--workloads", "planner", "--out", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=600)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "== planner" in result.stdout
+    noise = [line for line in output.splitlines() if "USDT" in line or line.startswith("ERROR")]
+    assert not noise, "\n".join(noise)
 
 
 def test_grad_error_is_zero_for_exact_and_one_for_missing():
