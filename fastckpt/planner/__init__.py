@@ -11,7 +11,9 @@ in segments, the runs checked for what would make a candidate wrong (checks).
 
 Budget: bytes the step may allocate above what is live before it (the same quantity as
 fastckpt.memory.peak_bytes), or a string "N%": N percent of the peak measured with every segment under
-"recompute" (stock checkpointing, whose memory fastckpt's recompute matches).
+"recompute" (stock checkpointing, whose memory fastckpt's recompute matches), or a device total ("20GiB").
+Every run is an iteration of the user's loop (iteration): gradients set to None before it, the optimizer's
+step when given. What fits at other sequence lengths: measure_lengths (lengths).
 """
 
 from fastckpt.planner import solver
@@ -25,6 +27,7 @@ from fastckpt.planner.candidates import (
     parse_candidate,
 )
 from fastckpt.planner.checks import max_relative_error
+from fastckpt.planner.lengths import Fit, LengthMeasurements, measure_lengths
 from fastckpt.planner.model import CandidateMeasurement, SegmentCost
 from fastckpt.planner.plans import Measurements, Plan, measure, plan
 from fastckpt.planner.segments import Segment
@@ -36,6 +39,8 @@ __all__ = [
     "REFERENCE",
     "Candidate",
     "CandidateMeasurement",
+    "Fit",
+    "LengthMeasurements",
     "Measurements",
     "Plan",
     "Segment",
@@ -43,6 +48,7 @@ __all__ = [
     "extended_candidates",
     "max_relative_error",
     "measure",
+    "measure_lengths",
     "parse_candidate",
     "plan",
     "solver",

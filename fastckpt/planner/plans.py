@@ -72,6 +72,11 @@ class Measurements:
         """The step's time with every segment under 'recompute' (CandidateMeasurement.step_seconds)."""
         return self.by_policy[REFERENCE].step_seconds
 
+    @property
+    def parsed(self) -> list[Candidate]:
+        """The candidates as measure() parsed them."""
+        return list(self._parsed.values())
+
     def budget_bytes(self, budget: int | str) -> int:
         """`budget` in bytes of the step ("N%" of the reference peak, a device total less what is live before
         the step: fastckpt.planner.budgets)."""
