@@ -112,3 +112,37 @@ def test_an_iteration_with_the_optimizer_step_holds_a_device_total(name):
     assert state <= resident.optimizer
     for peak in loop_peaks(iteration, model.zero_grad):
         assert resident.parameters + state + peak <= total
+
+
+class LossModel(UserModel):
+    """The user's module as Trainer takes it: keyword inputs, a dict with the loss."""
+
+    def forward(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"loss": super().forward(x).pow(2).mean()}
+
+
+def test_a_plan_holds_in_trainers_loop(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = LossModel(dim=128)
+    rows = [{"x": torch.randn(256, 128)} for _ in range(6)]
+
+    def step() -> None:
+        model(torch.stack([rows[0]["x"], rows[1]["x"]]))["loss"].backward()
+
+    plan = measure(model, step, is_block, CANDIDATES, repeats=1, progress=False).plan("80%")
+    plan.apply()
+    peaks = []
+
+    class Measured(transformers.Trainer):
+        def training_step(self, *args, **kwargs):  # Trainer's forward and backward, after its zero_grad
+            result = []
+            peaks.append(peak_bytes(lambda: result.append(super(Measured, self).training_step(*args, **kwargs))))
+            return result[0]
+
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    Measured(model=model, args=args, train_dataset=rows).train()
+    assert len(peaks) == 3 and max(peaks) <= plan.budget

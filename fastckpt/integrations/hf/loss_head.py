@@ -322,6 +322,8 @@ class _LossHead:
         trained = [p for p in (weight, options["bias"]) if p is not None and p.requires_grad]
 
         def run(chunk: int) -> None:
+            for p in trained:  # as the planner's runs: no gradient before the step (fastckpt.planner.iteration)
+                p.grad = None
             with torch.autocast(hidden.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
                 loss = linear_cross_entropy(
                     hidden.detach().requires_grad_(needs_grad), weight, targets, chunk_size=chunk, **options

@@ -44,12 +44,15 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
 
     The step is one training step on `batch` (keyword arguments of the model's forward, with `labels`):
     forward (`use_cache=False` unless the batch says otherwise; under `torch.autocast(device, autocast)` when
-    `autocast` is a dtype), `loss.backward()`, then the gradients set to None, as a training loop's
-    `zero_grad` leaves them. The segments are the layers HF checkpoints (its `GradientCheckpointingLayer`s);
-    HF's own checkpointing of them is turned off here, since a plan checkpoints them itself (the loss head and
-    padded attention of an earlier `enable` stay). `measure_kwargs` go to `fastckpt.planner.measure`
-    (candidates, repeats, max_error, progress). With the loss head on, its tokens per chunk are a choice of
-    every plan too (`Measurements.tail_options`, `_LossHead.chunk_options`).
+    `autocast` is a dtype) and `loss.backward()`, each run starting with the gradients set to None, as
+    Trainer's loop leaves them (it calls `model.zero_grad()`, torch's `set_to_none=True`, before the first step
+    and after each optimizer step: the first micro-step of an accumulation allocates the gradients), which is
+    the planner's default (`gradients=`, fastckpt.planner.iteration). The segments are the layers HF
+    checkpoints (its `GradientCheckpointingLayer`s); HF's own checkpointing of them is turned off here, since a
+    plan checkpoints them itself (the loss head and padded attention of an earlier `enable` stay).
+    `measure_kwargs` go to `fastckpt.planner.measure` (candidates, repeats, max_error, progress, optimizer,
+    gradients). With the loss head on, its tokens per chunk are a choice of every plan too
+    (`Measurements.tail_options`, `_LossHead.chunk_options`).
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -73,8 +76,10 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
             return model(**inputs)
 
     def step() -> None:
-        forward().loss.backward()
-        model.zero_grad(set_to_none=True)
+        # As Trainer's training_step: its compute_loss keeps the loss alone (the outputs, logits among them, are
+        # freed before the backward) and divides it by the accumulation steps (a scalar more during the backward).
+        loss = forward().loss
+        (loss / 1).backward()
 
     if pretrained.is_activation_checkpointing:
         pretrained.activation_checkpointing_disable()
@@ -107,7 +112,8 @@ def planned(model: Any) -> Any:
 # enable(budget=)'s default max_error: on bf16 LLM fine-tunes the int8 forms' gradients differ from the plain
 # step's by 2.4-6.0e-2 (largest relative L2 over the parameters), the int4 forms' by 0.6-0.7 (benchmarks/llm.py).
 PLAN_MAX_ERROR = 8e-2
-_PLAN_OPTIONS = ("candidates", "repeats", "max_error", "progress", "optimizer")  # what plan_options may hold
+# what plan_options may hold
+_PLAN_OPTIONS = ("candidates", "repeats", "max_error", "progress", "optimizer", "gradients")
 
 
 class _FirstBatchPlan:
@@ -247,18 +253,14 @@ class _FirstBatchPlan:
             )
         device = next(pretrained.parameters()).device
         autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        # The step after planning computes what it would have: the gradients it found, and the RNG state.
-        gradients = [(p, p.grad) for p in module.parameters()]
-        for p, _ in gradients:
-            p.grad = None
+        # The step after planning computes what it would have: the planner's runs leave the gradients as they
+        # found them (fastckpt.planner.iteration) and the RNG state is forked.
         pretrained.__dict__[cls.PLANNING] = True
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 plan = measure(module, batch, autocast=autocast, **options).plan(budget)
         finally:
             del pretrained.__dict__[cls.PLANNING]
-            for p, grad in gradients:
-                p.grad = grad
         plan.apply()
         shapes = cls._shapes(batch)
         kept = [
