@@ -95,7 +95,7 @@ def _dense(t: Any) -> bool:
 
 
 def _held_tensors(leaves: list[Any]) -> list[torch.Tensor]:
-    """The dense tensors among `leaves`, a wrapper subclass (e.g. hf_attention's CausalSegmentsMask) standing
+    """The dense tensors among `leaves`, a wrapper subclass (e.g. hf.attention's CausalSegmentsMask) standing
     for the tensors it holds (torch's `__tensor_flatten__`)."""
     tensors = []
     for t in leaves:
