@@ -415,7 +415,8 @@ def plan(
     candidates add one step (the probe) and, with max_error, one per slice count (their reference). ValueError if no
     assignment fits, naming the smallest budget. `verify` (default True) runs the chosen plan once and plans again
     while it measures over the budget (Measurements.plan). `progress` shows a progress bar with the remaining time
-    while it measures (tqdm, on a terminal only).
+    while it measures (tqdm, on a terminal only). `optimizer` and `gradients`: each run as the user's loop runs it
+    (measure()).
     """
     check_budget(budget)
     if not isinstance(verify, bool):
