@@ -58,5 +58,7 @@ def test_what_fits_refuses_what_it_cannot_answer(lengths):
         measured.longest("50%")
     with pytest.raises(ValueError, match="no plan fits"):
         measured.longest(1024, multiple=64)
+    with pytest.raises(ValueError, match="`multiple` must be a positive integer"):
+        measured.longest(2**30, multiple=0)
     with pytest.raises(ValueError, match="`lengths` must be two different positive integers"):
         measure_lengths(model, step_at, (256, 256, 512))

@@ -101,7 +101,7 @@ class LengthMeasurements:
     def predict_peak(self, policies: Sequence[str], length: int) -> int:
         """The peak model's prediction at `length` for one policy per segment (bytes above what is live before
         the step)."""
-        return self.at(length).predict_peak(policies)
+        return self._carried(length, with_step=False).predict_peak(policies)  # no batch made to predict
 
     def longest(self, budget: int | str, *, up_to: int = 2**20, multiple: int = 1, verify: bool = True) -> Fit:
         """The longest length (a multiple of `multiple`, at most `up_to`) at which some plan is predicted to fit
@@ -115,6 +115,9 @@ class LengthMeasurements:
             )
         if verify and self.step_at is None:
             raise ValueError("fastckpt.planner: longest(verify=True) needs `step_at`; pass verify=False")
+        for name, value in (("multiple", multiple), ("up_to", up_to)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"fastckpt.planner: longest(): `{name}` must be a positive integer, got {value!r}")
 
         def fits(units: int) -> bool:
             measured = self._carried(units * multiple, with_step=False)
