@@ -142,3 +142,26 @@ def tiny_decoder_config(config_class: str, vocab_size: int, **overrides: Any) ->
 
     base = {**TINY_DECODER, "vocab_size": vocab_size}
     return functools.partial(getattr(transformers, config_class), **{**base, **overrides})
+
+
+def trainer_step_peaks(model: torch.nn.Module, dataset: list, output_dir: str, **arguments: Any) -> list[int]:
+    """Train `model` on `dataset` with transformers' Trainer (3 steps of 2 rows, CPU, `arguments` on top of those
+    TrainingArguments) and return each training_step's peak (its forward and backward, after Trainer's zero_grad),
+    measured outside the planner (fastckpt.memory.peak_bytes)."""
+    import transformers
+
+    from fastckpt.memory import peak_bytes
+
+    peaks = []
+
+    class Measured(transformers.Trainer):
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            result = []
+            peaks.append(peak_bytes(lambda: result.append(super(Measured, self).training_step(*args, **kwargs))))
+            return result[0]
+
+    settings = {"max_steps": 3, "per_device_train_batch_size": 2, "use_cpu": True, "report_to": [],
+                "save_strategy": "no", "disable_tqdm": True, **arguments}  # fmt: skip
+    args = transformers.TrainingArguments(output_dir=output_dir, **settings)
+    Measured(model=model, args=args, train_dataset=dataset).train()
+    return peaks

@@ -10,6 +10,7 @@ from torch import nn
 
 from fastckpt.memory import peak_bytes
 from fastckpt.planner import measure
+from tests.helpers import trainer_step_peaks
 from tests.models import TransformerBlock
 
 CANDIDATES = ["recompute", "batch2:recompute", "none", "int8"]  # batch2 reaches below stock checkpointing here
@@ -122,7 +123,7 @@ class LossModel(UserModel):
 
 
 def test_a_plan_holds_in_trainers_loop(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = LossModel(dim=128)
     rows = [{"x": torch.randn(256, 128)} for _ in range(6)]
@@ -132,17 +133,5 @@ def test_a_plan_holds_in_trainers_loop(tmp_path):
 
     plan = measure(model, step, is_block, CANDIDATES, repeats=1, progress=False).plan("80%")
     plan.apply()
-    peaks = []
-
-    class Measured(transformers.Trainer):
-        def training_step(self, *args, **kwargs):  # Trainer's forward and backward, after its zero_grad
-            result = []
-            peaks.append(peak_bytes(lambda: result.append(super(Measured, self).training_step(*args, **kwargs))))
-            return result[0]
-
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True, report_to=[],
-        save_strategy="no", disable_tqdm=True,
-    )  # fmt: skip
-    Measured(model=model, args=args, train_dataset=rows).train()
+    peaks = trainer_step_peaks(model, rows, str(tmp_path))
     assert len(peaks) == 3 and max(peaks) <= plan.budget

@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 import fastckpt  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
 from fastckpt.integrations.hf import planning  # noqa: E402
-from fastckpt.memory import peak_bytes  # noqa: E402
+from tests.helpers import trainer_step_peaks  # noqa: E402
 from tests.integrations.test_hf import LAYERS, batch, tiny_llama  # noqa: E402
 
 # Two candidates, one repeat, no progress bar: a plan in a few seconds. With "recompute" alone the plan is
@@ -404,19 +404,7 @@ def test_trainers_steps_after_the_first_batch_plan_stay_within_its_budget(tmp_pa
     options = {**FAST, "candidates": ["recompute", "recompute+int8", "int8", "none"]}
     model = hf.enable(model, budget="100%", plan_options=options)
     data = [{k: v[i] for k, v in sample().items()} for _ in range(3) for i in range(2)]
-    peaks = []
-
-    class Measured(transformers.Trainer):
-        def training_step(self, *args, **kwargs):  # Trainer's forward and backward, after its zero_grad
-            result = []
-            peaks.append(peak_bytes(lambda: result.append(super(Measured, self).training_step(*args, **kwargs))))
-            return result[0]
-
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True, report_to=[],
-        save_strategy="no", disable_tqdm=True, bf16=True,
-    )  # fmt: skip
-    Measured(model=model, args=args, train_dataset=data).train()
+    peaks = trainer_step_peaks(model, data, str(tmp_path), bf16=True)
     plan = hf.planned(model)
     # The first step planned (the planner's runs measure every candidate); the later ones run the plan.
     assert plan is not None and len(peaks) == 3 and max(peaks[1:]) <= plan.budget
