@@ -44,6 +44,23 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from benchmarks.harness import error_line, median_times, peak_bytes, quiet_profiler_logs, write_csv
+from benchmarks.steps import (
+    HF_GC,
+    PACKED_WEIGHTS,
+    PLAIN,
+    Row,
+    fastckpt,
+    fmt,
+    gradients,
+    hf_gc,
+    hf_loss,
+    padded_batch,
+    relative_error,
+    trained_bytes,
+)
+from benchmarks.steps import causal_lm as _causal_lm
+from benchmarks.steps import packed_batch as _packed_batch
+from benchmarks.steps import step as _step
 from fastckpt import hybrid
 from fastckpt.integrations import hf
 
@@ -58,9 +75,7 @@ SCALING_DEPTH = {"full": 16, "quick": 8, "smoke": 2}
 SCALING_TOKENS = {"full": 1024, "quick": 1024, "smoke": 64}
 # packed sequences: (layers, tokens, timed rounds) per size; the row's sequences' lengths are in these proportions
 PACKED_SIZES = {"full": (16, 4096, 2), "quick": (8, 2048, 1), "smoke": (2, 64, 1)}
-PACKED_WEIGHTS = (5, 3, 8, 2, 6, 4, 7, 1)
 LOSS_CHUNKS = 8  # the chunked-loss reference row: the head and loss over this many token chunks
-HF_GC = "HF GC"
 PLAN = "fastckpt plan + loss head + padded attention"
 # The plan rows' budgets, the targets': LoRA 0.33 of HF GC's whole-step peak; the full fine-tune 0.4 of HF GC's
 # peak less the parameter gradients (which no checkpointing removes), plus those gradients.
@@ -69,20 +84,6 @@ PLAN_FRACTION = {True: 0.33, False: 0.4}  # by `lora`
 # of one parameter's gradient against the plain bf16 step (not fp32); the int8 forms' (1.05-1.3x bf16's own error
 # against fp32 in this table's measure) are within it, the int4 forms' (5-10x) are not.
 PLAN_MAX_ERROR = hf.PLAN_MAX_ERROR
-PLAIN = "plain"
-
-
-@dataclass(frozen=True)
-class Row:
-    """One configuration: `prepare(model)` sets it up on a fresh copy; `loss(model, batch)` runs the forward."""
-
-    name: str
-    prepare: Callable[[torch.nn.Module], None]
-    loss: Callable[[torch.nn.Module, dict], torch.Tensor] | None = None
-
-
-def hf_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    return model(**batch, use_cache=False).loss
 
 
 def _shifted(model: torch.nn.Module, batch: dict) -> tuple[torch.nn.Module, torch.Tensor, torch.Tensor]:
@@ -131,21 +132,9 @@ def liger_available(device: torch.device) -> str | None:
     return None
 
 
-def _causal_lm(model: torch.nn.Module) -> torch.nn.Module:
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
-def _hf_gc(model: torch.nn.Module, **kwargs) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **kwargs})
-
-
-def _fastckpt(policy: str, loss_head: bool, padded: bool = False) -> Callable[[torch.nn.Module], None]:
-    return functools.partial(hf.enable, policy=policy, loss_head=loss_head, padded_attention=padded)
-
-
 def _sac(model: torch.nn.Module) -> None:
     ops = [packet.default for packet in hybrid.default_save_ops()]
-    _hf_gc(model, context_fn=functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, ops))
+    hf_gc(model, context_fn=functools.partial(torch_checkpoint.create_selective_checkpoint_contexts, ops))
 
 
 POLICIES = ("recompute+int8", "recompute:int8+int8", "recompute+int4")
@@ -157,18 +146,18 @@ def rows(liger: bool = False) -> list[Row]:
     """The table's configurations; `liger`: with the Liger peer row (where liger_available says it runs)."""
     found = [
         Row(PLAIN, lambda model: None),
-        Row(HF_GC, _hf_gc),
+        Row(HF_GC, hf_gc),
         Row("HF GC + torch SAC", _sac),
-        Row("HF GC + chunked loss", _hf_gc, chunked_loss),
+        Row("HF GC + chunked loss", hf_gc, chunked_loss),
     ]
     if liger:
-        found.append(Row(LIGER, _hf_gc, liger_loss))
+        found.append(Row(LIGER, hf_gc, liger_loss))
     # Without the whole-step options only the policy whose time matches HF GC's (the others' peaks are the same
     # head), and the lowest-peak policy with the loss head alone (what padded attention adds).
-    found.append(Row("fastckpt recompute+int8", _fastckpt("recompute+int8", False)))
-    found.append(Row("fastckpt recompute:int8+int8 + loss head", _fastckpt("recompute:int8+int8", True)))
+    found.append(Row("fastckpt recompute+int8", fastckpt("recompute+int8", False)))
+    found.append(Row("fastckpt recompute:int8+int8 + loss head", fastckpt("recompute:int8+int8", True)))
     for policy in ("recompute", *POLICIES):
-        found.append(Row(f"fastckpt {policy} + {WHOLE_STEP}", _fastckpt(policy, True, padded=True)))
+        found.append(Row(f"fastckpt {policy} + {WHOLE_STEP}", fastckpt(policy, True, padded=True)))
     return found
 
 
@@ -188,33 +177,7 @@ def build(lora: bool, layers: int, tokens: int, device: torch.device) -> tuple[t
         adapters = peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
         model = peft.get_peft_model(model, adapters)
     model.to(device).train()
-    generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, VOCAB, (1, tokens), generator=generator)
-    mask = torch.ones_like(ids)
-    mask[:, tokens - tokens // 4 :] = 0
-    batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
-    return model, {key: value.to(device) for key, value in batch.items()}
-
-
-def _step(model: torch.nn.Module, batch: dict, loss: Callable, autocast: bool = True) -> None:
-    device = batch["input_ids"].device.type
-    with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-        value = loss(model, batch)
-    value.backward()
-
-
-def _gradients(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.grad.detach().float().clone() for p in model.parameters() if p.requires_grad]
-
-
-def relative_error(got: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
-    """Relative L2 error of all gradients together."""
-    num = sum(float((a - b).pow(2).sum()) for a, b in zip(got, reference, strict=True))
-    return (num / sum(float(b.pow(2).sum()) for b in reference)) ** 0.5
-
-
-def _trained_bytes(model: torch.nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return model, padded_batch(tokens, VOCAB, device, padding=tokens // 4)
 
 
 def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict], dict[str, str]]:
@@ -223,7 +186,7 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     base, batch = build(lora, layers, tokens, device)
     reference_model = copy.deepcopy(base)
     _step(reference_model, batch, hf_loss, autocast=False)
-    reference = _gradients(reference_model)
+    reference = gradients(reference_model)
     del reference_model
     models, losses, failed = {}, {}, {}
     left_out = liger_available(device)
@@ -250,7 +213,7 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     def measure(name: str) -> None:
         """The peak of one step, and the error of the gradients that step left."""
         peak = peak_bytes(lambda: _step(models[name], batch, losses[name]), device)
-        error = relative_error(_gradients(models[name]), reference)
+        error = relative_error(gradients(models[name]), reference)
         models[name].zero_grad(set_to_none=True)
         results[name] = {"peak": peak, "error": error}
 
@@ -271,7 +234,7 @@ def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict
     name = "llama-lora" if lora else "llama-full"
     heading = (f"{name}: {layers} layers, 1 x {tokens} tokens (last quarter padding), bf16 autocast, "
                f"{'LoRA r=8 on ' + '/'.join(LORA_TARGETS) if lora else 'full fine-tune'}")  # fmt: skip
-    table = _table(name, heading, layers, tokens, results, times, failed, None if lora else _trained_bytes(base))
+    table = _table(name, heading, layers, tokens, results, times, failed, None if lora else trained_bytes(base))
     for note in notes:
         print(note)
     return table, failed
@@ -282,7 +245,7 @@ def _plan_budget(lora: bool, hf_gc_peak: int, base: torch.nn.Module) -> tuple[in
     fraction = PLAN_FRACTION[lora]
     if lora:
         return int(fraction * hf_gc_peak), f"{fraction:.0%} of HF GC's peak"
-    grads = _trained_bytes(base)
+    grads = trained_bytes(base)
     return int(grads + fraction * (hf_gc_peak - grads)), f"the gradients + {fraction:.0%} of HF GC's peak less them"
 
 
@@ -331,7 +294,7 @@ def _table(workload, heading, layers, tokens, results, times, failed, trained_by
             row["less_grads_x_hf_gc"] = less / (gc["peak"] - trained_bytes)
         table.append(row)
         line = (f"{config:<62}{row['peak_MiB']:>10.1f}{row['peak_x_hf_gc']:>9.3f}"
-                f"{_fmt(row['ms_per_step'], '.0f'):>10}{_fmt(row['time_x_hf_gc'], '.3f'):>9}"
+                f"{fmt(row['ms_per_step'], '.0f'):>10}{fmt(row['time_x_hf_gc'], '.3f'):>9}"
                 f"{row['grad_rel_l2']:>10.2e}{row['error_x_bf16']:>8.2f}")  # fmt: skip
         if trained_bytes is not None:
             line += f"{row['peak_less_grads_MiB']:>16.1f}{row['less_grads_x_hf_gc']:>9.3f}"
@@ -341,15 +304,11 @@ def _table(workload, heading, layers, tokens, results, times, failed, trained_by
     return table
 
 
-def _fmt(value: float | None, spec: str) -> str:
-    return "" if value is None else format(value, spec)
-
-
 def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
     """Peak of plain, HF GC and fastckpt's best (BEST) against tokens and depth
     (llama-lora), and the fitted bytes per token per layer."""
     lengths, depths = SCALING[size]
-    configs = {PLAIN: lambda m: None, HF_GC: _hf_gc, BEST: _fastckpt("recompute:int8+int8", True, padded=True)}
+    configs = {PLAIN: lambda m: None, HF_GC: hf_gc, BEST: fastckpt("recompute:int8+int8", True, padded=True)}
     points, peaks, longest = [], {}, None  # peaks: MiB by (layers, tokens, config); the axes share a size
     for axis, values in (("tokens", lengths), ("layers", depths)):
         for value in values:
@@ -425,12 +384,12 @@ def _peaks(
     times = median_times({c: steps[c] for c in (HF_GC, BEST)}, device, 0, LONG_ROUNDS)[0]
     reference = copy.deepcopy(base)
     _step(reference, batch, hf_loss, autocast=False)
-    expected = _gradients(reference)
+    expected = gradients(reference)
     del reference
     errors = {}
     for config in (PLAIN, BEST):  # the gradient error there, against fp32 (the error columns' measure)
         _step(models[config], batch, hf_loss)
-        errors[config] = relative_error(_gradients(models[config]), expected)
+        errors[config] = relative_error(gradients(models[config]), expected)
         models[config].zero_grad(set_to_none=True)
     return peaks, Longest(times[HF_GC], times[BEST], errors[BEST] / errors[PLAIN])
 
@@ -491,20 +450,14 @@ def slow_bf16_warning(slowdown: float) -> str | None:
 
 
 def packed_batch(tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """One row of sequences packed without padding: lengths in PACKED_WEIGHTS' proportions, position ids
-    starting again at each sequence, no attention mask, no label at a sequence's first token."""
-    lengths = [tokens * weight // sum(PACKED_WEIGHTS) for weight in PACKED_WEIGHTS]
-    lengths[-1] += tokens - sum(lengths)
-    positions = torch.cat([torch.arange(n) for n in lengths])[None]
-    ids = torch.randint(1, VOCAB, (1, tokens), generator=torch.Generator().manual_seed(3))
-    batch = {"input_ids": ids, "position_ids": positions, "labels": ids.masked_fill(positions == 0, -100)}
-    return {key: value.to(device) for key, value in batch.items()}
+    """steps.packed_batch at this section's vocabulary."""
+    return _packed_batch(tokens, device, VOCAB)
 
 
 PACKED_ROWS = {
-    HF_GC: _hf_gc,
-    "fastckpt recompute+int8 + loss head": _fastckpt("recompute+int8", True),
-    f"fastckpt recompute+int8 + {WHOLE_STEP}": _fastckpt("recompute+int8", True, padded=True),
+    HF_GC: hf_gc,
+    "fastckpt recompute+int8 + loss head": fastckpt("recompute+int8", True),
+    f"fastckpt recompute+int8 + {WHOLE_STEP}": fastckpt("recompute+int8", True, padded=True),
 }
 
 
@@ -516,7 +469,7 @@ def packed(size: str, device: torch.device, out: str | None) -> tuple[list[dict]
     batch = packed_batch(tokens, device)
     reference = copy.deepcopy(base)
     _step(reference, batch, hf_loss, autocast=False)
-    expected = _gradients(reference)
+    expected = gradients(reference)
     del reference
     steps, results = {}, {}
     for config, prepare in {PLAIN: lambda m: None, **PACKED_ROWS}.items():
@@ -529,7 +482,7 @@ def packed(size: str, device: torch.device, out: str | None) -> tuple[list[dict]
 
         step()  # the trial step
         peak = peak_bytes(lambda model=model: _step(model, batch, hf_loss), device)
-        results[config] = {"peak": peak, "error": relative_error(_gradients(model), expected)}
+        results[config] = {"peak": peak, "error": relative_error(gradients(model), expected)}
         model.zero_grad(set_to_none=True)
         steps[config] = step
     times, failed = median_times({c: steps[c] for c in PACKED_ROWS}, device, 0, rounds)

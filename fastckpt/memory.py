@@ -19,6 +19,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,6 +54,9 @@ class MemoryTrace:
         # CPU: every block allocated inside the trace as (marks made before its allocation, marks made before
         # its free or None if still live at the end, bytes, address); None on CUDA (no allocation records).
         self.lifetimes: list[tuple[int, int | None, int, int]] | None = None
+        # CPU: the blocks live at the trace's highest instant (`peak`) as (marks made before their allocation,
+        # bytes, address): what the peak is made of; None on CUDA.
+        self.at_peak: list[tuple[int, int, int]] | None = None
         self._keys: list[str] = []
         self._profiler: torch.profiler.profile | None = None
         self._base = 0
@@ -96,7 +100,7 @@ class MemoryTrace:
         with stderr_without(_KINETO_NOISE.match):
             self._profiler.__exit__(*exc)
         if exc[0] is None:
-            self.points, self.lifetimes = _replay(self._profiler, self._keys)
+            self.points, self.lifetimes, self.at_peak = _replay(self._profiler, self._keys)
         self._profiler = None
 
     @property
@@ -107,9 +111,9 @@ class MemoryTrace:
 
 def _replay(
     profiler: torch.profiler.profile, keys: list[str]
-) -> tuple[list[Point], list[tuple[int, int | None, int, int]]]:
+) -> tuple[list[Point], list[tuple[int, int | None, int, int]], list[tuple[int, int, int]]]:
     """Points (in mark order) from the profiler's allocation records and mark ranges, replayed in time order,
-    and the blocks' lifetimes (MemoryTrace.lifetimes)."""
+    the blocks' lifetimes (MemoryTrace.lifetimes) and the blocks live at the highest instant (MemoryTrace.at_peak)."""
     allocation = _compat.require("profiler_allocation_fields")
     events = []  # (time ns, kind: 0 mark / 1 allocation record, mark index or (address, bytes))
     stack = list(profiler.profiler.kineto_results.experimental_event_tree())
@@ -133,8 +137,9 @@ def _replay(
     blocks: dict[int, int] = {}
     born: dict[int, int] = {}  # per live block: marks made before its allocation
     lifetimes = []
-    live = peak = marks = 0
-    for _, kind, value in events:
+    live = peak = marks = top = 0
+    top_at: int | None = None  # the event at which live bytes were highest
+    for index, (_, kind, value) in enumerate(events):
         if kind == 0:
             points[value] = Point(keys[value], live, peak)
             peak = live
@@ -146,12 +151,31 @@ def _replay(
             born.setdefault(address, marks)
             live += delta
             peak = max(peak, live)
+            if live > top:
+                top, top_at = live, index
         elif address in blocks:  # a free of a block allocated inside the trace
             size = blocks.pop(address)
             lifetimes.append((born.pop(address), marks, size, address))
             live -= size
     lifetimes += [(born[address], None, size, address) for address, size in blocks.items()]
-    return points, lifetimes
+    return points, lifetimes, _live_at(events[: 0 if top_at is None else top_at + 1])
+
+
+def _live_at(events: list[tuple[int, int, Any]]) -> list[tuple[int, int, int]]:
+    """The blocks live after `events` (sorted marks and allocation records) as (marks before their allocation,
+    bytes, address)."""
+    blocks: dict[int, list[int]] = {}  # address: [marks before its allocation, bytes]
+    marks = 0
+    for _, kind, value in events:
+        if kind == 0:
+            marks += 1
+            continue
+        address, delta = value
+        if delta > 0:
+            blocks.setdefault(address, [marks, 0])[1] += delta
+        else:
+            blocks.pop(address, None)
+    return [(born, size, address) for address, (born, size) in blocks.items()]
 
 
 def peak_bytes(step: Callable[[], object], device: torch.device | str = "cpu") -> int:

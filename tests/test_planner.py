@@ -683,6 +683,8 @@ def test_memory_trace_counts_what_the_step_allocates():
     assert trace.peak == 12 * 2**20 and kept.numel() == 2**20
     # lifetimes: (marks before the allocation, marks before the free or None, bytes, address)
     assert sorted(life[:3] for life in trace.lifetimes) == [(1, None, 4 * 2**20), (2, 2, 8 * 2**20)]
+    # at_peak: the blocks live at the highest instant (temp's allocation), as (marks before, bytes)
+    assert sorted(block[:2] for block in trace.at_peak) == [(1, 4 * 2**20), (2, 8 * 2**20)]
     with pytest.raises(ValueError, match="measures cpu and cuda devices, not 'meta'"):
         MemoryTrace("meta")
 
