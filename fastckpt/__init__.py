@@ -8,6 +8,7 @@ if _extension.load_error(_extension.OPS) is None:
 from fastckpt.api import CheckpointWrapper, apply, checkpoint, checkpoint_sequential, wrap
 from fastckpt.compiled import compile
 from fastckpt.hybrid import selective
+from fastckpt.log_probs import linear_log_probs
 from fastckpt.loss import linear_cross_entropy
 from fastckpt.planner import Plan, plan
 from fastckpt.policies import Policy, current_policy, policy
@@ -25,6 +26,7 @@ __all__ = [
     "compile",
     "current_policy",
     "linear_cross_entropy",
+    "linear_log_probs",
     "plan",
     "policy",
     "selective",

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fastckpt.api import checkpoint
-from fastckpt.integrations.hf import attention
+from fastckpt.integrations.hf import attention, trl_head
 from fastckpt.integrations.hf.adapters import _AdapterInputCasts
 from fastckpt.integrations.hf.loss_head import _LossHead
 from fastckpt.integrations.hf.planning import _FirstBatchPlan
@@ -153,6 +153,8 @@ def enable(
     scales included). Such a forward returns `logits` of shape [batch, 0, vocab] (no position's logits were
     computed); forwards without labels or under `torch.no_grad()` (evaluation, generation) are HF's own.
     `loss_head=False` (the default) leaves the loss to HF, or hands it back after an earlier `loss_head=True`.
+    Under TRL's fused LM head (TRL's trainers call `model(..., fused_lm_head=True)` for per-token
+    log-probabilities), `loss_head=True` computes those through `fastckpt.linear_log_probs` (trl_head.py).
 
     `padded_attention=True` (a model loaded with attn_implementation="sdpa") computes attention whose mask is
     causal over padded rows (each row's real tokens one block, padding before or after), or over packed
@@ -209,8 +211,10 @@ def enable(
     _enable_through_fastckpt(pretrained, every_n_layers=every_n_layers)
     if loss_head:
         _LossHead.install(pretrained)
+        trl_head.serve(pretrained)
     else:
         _LossHead.remove(pretrained)
+        trl_head.stop(pretrained)
     _AdapterInputCasts.install(pretrained)
     return model
 
@@ -221,6 +225,7 @@ def disable(model: Any) -> Any:
     pretrained = _pretrained_model(model)
     _FirstBatchPlan.remove(pretrained)
     _LossHead.remove(pretrained)
+    trl_head.stop(pretrained)
     attention.remove(pretrained)
     _AdapterInputCasts.remove(pretrained)
     pretrained.__dict__.pop("activation_checkpointing_enable", None)

@@ -163,7 +163,9 @@ class _LossHead:
                 labels = kwargs.get("labels")
                 if labels is None and labels_at is not None and len(args) > labels_at:
                     labels = args[labels_at]
-                if labels is None or not self.__dict__.get(cls.ON) or not torch.is_grad_enabled():
+                # TRL's fused-head calls (fused_lm_head=True) go to TRL's forward below: trl_head.py serves them
+                fused = kwargs.get("fused_lm_head", False)
+                if labels is None or fused or not self.__dict__.get(cls.ON) or not torch.is_grad_enabled():
                     return inner(*args, **kwargs)
                 reason = cls.unsupported(self)
                 if reason is not None:

@@ -1,0 +1,140 @@
+"""TRL's fused LM head, computed by fastckpt when `enable(model, loss_head=True)`.
+
+TRL (1.16 on) patches the model it trains with `add_fused_lm_head`: `model(..., labels=labels,
+fused_lm_head=True)` runs the backbone and returns per-token log-probabilities (and entropy, top-1, ...) instead of
+logits; SFT, DPO, KTO, GRPO and RLOO all compute their losses from them. That forward never calls `lm_head` or
+`loss_function`, so the loss head of loss_head.py would not run, and the peak would be TRL's head: on devices
+without Triton it folds [4096 tokens x 32768 vocab] fp32 tiles in torch (several at once).
+
+One head per model, never two: for a model whose loss head is on, TRL's per-token kernel (its module-level
+`_ChunkedLogProbFunction`, which the patched forward looks up at each call) is replaced by
+`fastckpt.linear_log_probs`, with TRL's temperature, soft cap and logit scale. Everything else in TRL's forward
+(the backbone call, which positions are scored, MoE auxiliary losses, the outputs it assembles) stays TRL's.
+The replacement dispatches on the head's weight: other models (a reference model, models without
+`loss_head=True`) get TRL's own kernel unchanged. It is installed by a forward pre-hook on the model's backbone,
+which runs inside TRL's forward before the kernel is looked up, so the order of `enable` and the trainer's
+construction does not matter. It says so once per model (logging, `fastckpt` logger). A TRL whose patched
+forward does not call that kernel is reported with a warning, once: its head then computes as TRL's.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import types
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from fastckpt.integrations.hf.loss_head import _LossHead, loss_head_enabled
+from fastckpt.log_probs import linear_log_probs
+
+_LOG = logging.getLogger("fastckpt")
+_TRL_UTILS = "trl.trainer.utils"
+_KERNEL = "_ChunkedLogProbFunction"  # the name TRL's patched forward calls `.apply` on
+_FUSED_FORWARD = "_fused_forward"  # inside add_fused_lm_head
+_SAID = "_fastckpt_trl_said"
+_served: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the PreTrainedModels whose head fastckpt serves
+
+
+def trl_forward(model: torch.nn.Module) -> Any:
+    """TRL's fused-head forward installed on `model` (under fastckpt's loss head or not), else None."""
+    for name in ("forward", _LossHead.INNER):
+        forward = model.__dict__.get(name)
+        function = getattr(forward, "__func__", forward)
+        # By its code and globals: functools.wraps gave it the model class's forward's names
+        code = getattr(function, "__code__", None)
+        if code is not None and code.co_name == _FUSED_FORWARD and function.__globals__.get("__name__") == _TRL_UTILS:
+            return function
+    return None
+
+
+class _ServedKernel:
+    """Stands in for TRL's `_ChunkedLogProbFunction` (same `apply` arguments and results)."""
+
+    trl_kernel: Any = None  # TRL's own, for the heads fastckpt does not serve
+
+    @classmethod
+    def apply(
+        cls,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        final_logit_softcapping: float | None,
+        logit_scale: float,
+        outputs: tuple[str, ...],
+    ) -> tuple[torch.Tensor | None, ...]:
+        model = next((m for m in list(_served) if m.get_output_embeddings().weight is weight), None)
+        if model is None or not loss_head_enabled(model):
+            return cls.trl_kernel.apply(
+                hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
+            )
+        # TRL's chunk_size counts vocabulary columns per tile; fastckpt's chunks are of tokens (a plan's, or the
+        # default).
+        return tuple(
+            linear_log_probs(
+                hidden,
+                weight,
+                targets,
+                bias=bias,
+                temperature=temperature,
+                softcap=final_logit_softcapping,
+                logit_scale=logit_scale,
+                chunk_size=model.__dict__.get(_LossHead.CHUNK),
+                outputs=tuple(outputs),
+            )
+        )
+
+
+def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tuple) -> None:
+    """The backbone's forward pre-hook (bound to the model: a deep copy's is bound to the copy): under TRL's
+    fused forward, make its kernel lookup find fastckpt's."""
+    forward = trl_forward(model)
+    if forward is None or not loss_head_enabled(model):
+        return
+    utils = sys.modules.get(_TRL_UTILS)
+    if _KERNEL not in forward.__code__.co_names or utils is None or not hasattr(utils, _KERNEL):
+        if not model.__dict__.get(_SAID):
+            model.__dict__[_SAID] = True
+            warnings.warn(
+                f"fastckpt.integrations.hf: TRL's fused LM head on {type(model).__name__} does not call "
+                f"{_TRL_UTILS}.{_KERNEL} in this TRL release; TRL's head computes the log-probabilities, fastckpt's "
+                "loss head does not",
+                stacklevel=3,
+            )
+        return
+    _served.add(model)
+    kernel = getattr(utils, _KERNEL)
+    if kernel is not _ServedKernel:
+        _ServedKernel.trl_kernel = kernel
+        setattr(utils, _KERNEL, _ServedKernel)
+    if not model.__dict__.get(_SAID):
+        model.__dict__[_SAID] = True
+        _LOG.info(
+            "fastckpt: TRL's fused LM head on %s computes through fastckpt.linear_log_probs (loss_head=True)",
+            type(model).__name__,
+        )
+
+
+def _hook_keys(model: torch.nn.Module) -> list[int]:
+    hooks = model.base_model._forward_pre_hooks
+    return [key for key, hook in hooks.items() if getattr(hook, "__func__", None) is _before_backbone]
+
+
+def serve(model: torch.nn.Module) -> None:
+    """Serve TRL's fused head for `model` (a PreTrainedModel with the loss head on) whenever TRL installs one."""
+    if not _hook_keys(model):
+        model.base_model.register_forward_pre_hook(types.MethodType(_before_backbone, model))
+
+
+def stop(model: torch.nn.Module) -> None:
+    """Leave TRL's fused head of `model` to TRL again."""
+    for key in _hook_keys(model):
+        del model.base_model._forward_pre_hooks[key]
+    _served.discard(model)
+    model.__dict__.pop(_SAID, None)

@@ -1,0 +1,227 @@
+"""fastckpt inside TRL's SFTTrainer (the real package; skipped without it): the batches TRL builds (right and left
+padding, packing, padding-free, completion-only loss), LoRA through `peft_config` and through a PEFT model,
+gradient accumulation. `recompute` must train exactly as TRL with HF's gradient checkpointing; the loss head must
+serve TRL's fused LM head (never two heads, never silently inert) with the same losses and metrics up to
+summation order."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from fastckpt import log_probs  # noqa: E402
+from fastckpt.integrations import hf  # noqa: E402
+from fastckpt.integrations.hf import trl_head  # noqa: E402
+
+VOCAB = 96
+LENGTHS = (21, 9, 30, 14, 26, 17, 11, 23)  # one example each; batches of 2 (4 per step with accumulation)
+HEAD = dict(policy="recompute", loss_head=True, padded_attention=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=256,
+        attn_implementation="sdpa",
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _dataset(completion_only: bool) -> datasets.Dataset:
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for length in LENGTHS:
+        row = {"input_ids": torch.randint(2, VOCAB, (length,), generator=generator).tolist()}
+        if completion_only:  # the first third is the prompt
+            row["completion_mask"] = [0] * (length // 3) + [1] * (length - length // 3)
+        rows.append(row)
+    return datasets.Dataset.from_list(rows)
+
+
+class _LeftPadding:
+    """TRL's collator pads on the right; this one moves each row's padding to its left."""
+
+    def __init__(self, pad_token_id: int) -> None:
+        self.collate = trl.trainer.sft_trainer.DataCollatorForLanguageModeling(pad_token_id=pad_token_id)
+
+    def __call__(self, examples: list[dict]) -> dict:
+        batch = self.collate(examples)
+        shifts = (batch["attention_mask"] == 0).sum(1)
+        for key in ("input_ids", "labels", "attention_mask"):
+            batch[key] = torch.stack([row.roll(int(s)) for row, s in zip(batch[key], shifts, strict=True)])
+        return batch
+
+
+CASES = {
+    "right": {},
+    "left": {"collator": "left"},
+    "packing": {"packing": True, "max_length": 48},
+    "padding_free": {"padding_free": True, "max_length": None},
+    "completion_only": {"completion_only_loss": True},
+    "lora_config": {"lora": "config"},
+    "lora_model": {"lora": "model"},
+    "accumulation": {"gradient_accumulation_steps": 2},
+}
+
+
+def _train(tokenizer, setup: dict | None, case: dict, steps: int = 2, bf16: bool = False, after: bool = False):
+    """TRL's SFTTrainer for `steps` steps; `setup`: None for HF's checkpointing, else hf.enable's arguments (before
+    the trainer is built, or `after`). Returns the trainer and its logged metrics per step."""
+    case = dict(case)
+    model = _model()
+    lora, collator = case.pop("lora", None), case.pop("collator", None)
+    peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules="all-linear") if lora else None
+    if lora == "model":
+        model, peft_config = peft.get_peft_model(model, peft_config), None
+    if setup is not None and not after:
+        hf.enable(model, **setup)
+    config = trl.SFTConfig(
+        output_dir="/tmp/fastckpt-test-trl",
+        per_device_train_batch_size=2,
+        max_steps=steps,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        bf16=bf16,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        **case,
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=_dataset(case.get("completion_only_loss", False)),
+        processing_class=tokenizer,
+        peft_config=peft_config,
+        data_collator=_LeftPadding(tokenizer.pad_token_id) if collator == "left" else None,
+    )
+    if setup is not None and after:
+        hf.enable(trainer.model, **setup)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    return trainer, logs
+
+
+def _metrics(logs: list[dict]) -> list[dict]:
+    return [{k: v for k, v in entry.items() if k not in ("train_runtime",)} for entry in logs]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    """Counts the calls of fastckpt's per-token head and of TRL's own kernel."""
+    calls = {"fastckpt": 0, "trl": 0}
+    ours = trl_head.linear_log_probs
+
+    def counted_ours(*args, **kwargs):
+        calls["fastckpt"] += 1
+        return ours(*args, **kwargs)
+
+    monkeypatch.setattr(trl_head, "linear_log_probs", counted_ours)
+    original = trl.trainer.utils._ChunkedLogProbFunction
+    original = getattr(original, "trl_kernel", None) or original
+
+    class CountedTRL:
+        @staticmethod
+        def apply(*args):
+            calls["trl"] += 1
+            return original.apply(*args)
+
+    monkeypatch.setattr(trl.trainer.utils, "_ChunkedLogProbFunction", CountedTRL)
+    monkeypatch.setattr(trl_head._ServedKernel, "trl_kernel", CountedTRL)
+    return calls
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_sft_trainer(tokenizer, kernels, name):
+    case = CASES[name]
+    _, reference = _train(tokenizer, None, case)
+    assert kernels == {"fastckpt": 0, "trl": 2 * (1 + ("gradient_accumulation_steps" in case))}
+    trainer, recompute = _train(tokenizer, {"policy": "recompute"}, case)
+    assert hf.is_enabled(trainer.model)
+    assert _metrics(recompute) == _metrics(reference)  # bit for bit: the same computation, checkpointed by fastckpt
+    kernels.update(fastckpt=0, trl=0)
+    _, head = _train(tokenizer, HEAD, case)
+    assert kernels["trl"] == 0 and kernels["fastckpt"] > 0  # one head: fastckpt's served TRL's forward
+    assert [sorted(e) for e in head] == [sorted(e) for e in reference]  # TRL's metrics, all of them
+    for got, want in zip(head, reference, strict=True):
+        for key, value in want.items():
+            if key not in ("train_runtime", "learning_rate", "epoch", "num_tokens"):
+                assert got[key] == pytest.approx(value, rel=2e-4, abs=1e-5), key
+            else:
+                assert got[key] == value, key
+
+
+def test_enable_after_the_trainer_is_built_and_bf16(tokenizer, kernels, caplog):
+    _, reference = _train(tokenizer, None, CASES["right"], bf16=True)
+    with caplog.at_level(logging.INFO, logger="fastckpt"):
+        trainer, head = _train(tokenizer, HEAD, CASES["right"], bf16=True, after=True)
+    assert kernels["fastckpt"] > 0
+    said = [r for r in caplog.records if "TRL's fused LM head" in r.getMessage()]
+    assert len(said) == 1  # once per model
+    for got, want in zip(head, reference, strict=True):
+        assert got["loss"] == pytest.approx(want["loss"], rel=2e-2)
+        assert got["mean_token_accuracy"] == pytest.approx(want["mean_token_accuracy"], abs=0.02)
+
+
+def test_only_the_enabled_models_head_is_served(kernels):
+    """A reference model (or any model without loss_head=True) keeps TRL's kernel; disable hands ours back."""
+    served, other = _model(), _model()
+    for model in (served, other):
+        trl.trainer.utils.add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    hf.enable(served, **HEAD)
+    ids = torch.randint(2, VOCAB, (2, 12))
+    out = {m: m(input_ids=ids, labels=ids, fused_lm_head=True) for m in (other, served)}
+    assert kernels == {"fastckpt": 1, "trl": 1}
+    torch.testing.assert_close(out[served].log_probs, out[other].log_probs, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[served].entropy, out[other].entropy, rtol=1e-5, atol=1e-5)
+    hf.disable(served)
+    served(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert kernels == {"fastckpt": 1, "trl": 2}
+
+
+def test_a_trl_without_the_kernel_is_reported(monkeypatch):
+    model = _model()
+    trl.trainer.utils.add_fused_lm_head(model)
+    hf.enable(model, **HEAD)
+    code = trl_head.trl_forward(model).__code__
+    monkeypatch.setattr(trl_head, "_KERNEL", "_not_in_this_release")
+    assert "_not_in_this_release" not in code.co_names
+    ids = torch.randint(2, VOCAB, (1, 8))
+    with pytest.warns(UserWarning, match="TRL's head computes the log-probabilities"):
+        model(input_ids=ids, labels=ids, fused_lm_head=True)
+
+
+def test_linear_log_probs_rejects_bad_arguments():
+    hidden, weight = torch.randn(4, 8), torch.randn(16, 8)
+    with pytest.raises(ValueError, match="`outputs`"):
+        log_probs.linear_log_probs(hidden, weight, torch.zeros(4, dtype=torch.long), outputs=("logits",))
+    with pytest.raises(ValueError, match="`labels`"):
+        log_probs.linear_log_probs(hidden, weight, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="`temperature`"):
+        log_probs.linear_log_probs(hidden, weight, torch.zeros(4, dtype=torch.long), temperature=0.0)

@@ -1,0 +1,100 @@
+"""fastckpt.linear_log_probs against the full logits: per-token log-probabilities, entropy and the rest, and the
+gradients through log_probs and entropy, for a frozen head (gradients per row, in the forward) and a trained one
+(recomputed in backward), with a soft cap, a temperature, a logit scale and a bias."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastckpt import linear_log_probs
+
+V, H = 101, 16
+
+
+def _reference(hidden, weight, bias, labels, temperature, softcap, scale):
+    z = F.linear(hidden, weight, bias)
+    z = (z if scale is None else z * scale).float()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    logp = z.log_softmax(-1)
+    p = logp.exp()
+    return (
+        logp.gather(-1, labels[..., None])[..., 0],
+        -(p * logp).sum(-1),
+        (p * p).sum(-1).log(),
+        z.mean(-1),
+        z.argmax(-1) == labels,
+    )
+
+
+@pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
+@pytest.mark.parametrize("transform", [None, (0.7, 30.0, 0.5)], ids=["plain", "temperature-softcap-scale"])
+@pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp-grad", "logp-entropy-grad"])
+def test_matches_the_full_logits(trained, transform, entropy_grad):
+    torch.manual_seed(0)
+    temperature, softcap, scale = transform or (1.0, None, None)
+    hidden = torch.randn(2, 37, H, requires_grad=True)
+    weight = torch.randn(V, H, requires_grad=trained)
+    bias = torch.randn(V, requires_grad=trained) if transform else None
+    labels = torch.randint(0, V, (2, 37))
+    factors = torch.randn(2, 2, 37)
+    results = []
+    for ours in (False, True):
+        for t in (hidden, weight, bias):
+            if t is not None:
+                t.grad = None
+        if ours:
+            out = linear_log_probs(
+                hidden,
+                weight,
+                labels,
+                bias=bias,
+                temperature=temperature,
+                softcap=softcap,
+                logit_scale=scale,
+                chunk_size=10,  # four chunks, the last one short
+                outputs=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"),
+            )
+        else:
+            out = _reference(hidden, weight, bias, labels, temperature, softcap, scale)
+        loss = (out[0] * factors[0]).sum() + ((out[1] * factors[1]).sum() if entropy_grad else 0)
+        loss.backward()
+        results.append((out, [None if t is None else t.grad for t in (hidden, weight, bias)]))
+    (want, want_grads), (got, got_grads) = results
+    for w, g in zip(want, got, strict=True):
+        if w.dtype == torch.bool:
+            assert torch.equal(w, g)
+        else:
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    for w, g in zip(want_grads, got_grads, strict=True):
+        assert (w is None) == (g is None)
+        if w is not None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_autocast_is_as_close_as_the_full_logits_in_bf16():
+    """Under autocast the head's matmuls run in bf16, the rest in fp32, as F.linear + log_softmax's upcast."""
+    torch.manual_seed(0)
+    hidden, weight, labels = torch.randn(64, H, requires_grad=True), torch.randn(V, H), torch.randint(0, V, (64,))
+    grads = []
+    for ours in (False, True):
+        hidden.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            if ours:
+                log_probs = linear_log_probs(hidden, weight, labels, chunk_size=16).log_probs
+            else:
+                log_probs = _reference(hidden, weight, None, labels, 1.0, None, None)[0]
+        assert log_probs.dtype == torch.float32
+        log_probs.sum().backward()
+        grads.append(hidden.grad)
+    assert (grads[1] - grads[0]).norm() / grads[0].norm() < 1e-2
+
+
+def test_no_grad_computes_no_gradient():
+    hidden = torch.randn(8, H, requires_grad=True)
+    with torch.no_grad():
+        out = linear_log_probs(hidden, torch.randn(V, H), torch.randint(0, V, (8,)), outputs=("entropy",))
+    assert not out.log_probs.requires_grad and out.is_top1 is None
