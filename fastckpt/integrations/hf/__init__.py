@@ -8,6 +8,8 @@ One concept per file; each imports only files listed after it:
   and `enable(budget=...)`'s plan on the first training batch (`_FirstBatchPlan`);
 - loss_head.py: `enable(loss_head=True)`, the training loss through fastckpt.linear_cross_entropy (`_LossHead`),
   and `loss_head_enabled`;
+- trl_head.py: the same switch under TRL's fused LM head (`model(..., fused_lm_head=True)`): TRL's per-token
+  kernel served by fastckpt.linear_log_probs for the models whose loss head is on;
 - families.py: what each model family's forward does to its logits before the loss (soft caps, scales);
 - attention.py: `enable(padded_attention=True)`, SDPA on padded or packed rows without the [tokens x tokens]
   mask: the mask form (`CausalSegmentsMask`) and the calls per segment;

@@ -1,0 +1,168 @@
+"""One step of TRL's SFTTrainer at a real model shape: `python -m benchmarks trl [--quick]`.
+
+TRL 1.16's SFTTrainer computes the loss through its own fused LM head (per-token log-probabilities in tiles, no
+full logits) and turns on HF gradient checkpointing by default; the rows are what a user can set around it:
+TRL as it comes (HF GC, TRL's head: the reference), with TRL's `activation_offloading`, and with fastckpt
+(`hf.enable(model, ...)` before the trainer is built): `recompute` alone (TRL's head), and the storage policies
+with `loss_head=True` (fastckpt's head serves TRL's fused-head calls) and padded attention.
+
+The model: Llama-3.2-1B's shape (random weights, bf16, LoRA r=16 on all seven projections, as a PEFT model;
+`--quick`: Qwen2.5-0.5B's shape), a batch of two examples of 1,024 and 896 tokens that TRL's collator pads on the
+right, bf16 autocast (`bf16=True`), learning rate 0 so that every row steps from the same weights. Each row:
+the trainer is built and trains one step (`train()`: what turns checkpointing on), then `training_step` on the
+same batch is timed (median of the rounds) and its peak measured (the profiler's allocation records on CPU).
+Liger Kernel's fused cross entropy is not a row: TRL's SFTTrainer refuses it (it would replace the fused head),
+and it runs only on GPUs (Triton).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.harness import error_line, peak_bytes, quiet_profiler_logs, write_csv
+from benchmarks.real_shapes import SHAPES, build
+from benchmarks.steps import fmt
+from fastckpt.integrations import hf
+
+REFERENCE = "TRL + HF GC (TRL's fused head)"
+LENGTHS = (1024, 896)  # the batch's two examples, in tokens
+SIZES = {"full": ("llama-3.2-1b", LENGTHS, 2), "quick": ("qwen2.5-0.5b", LENGTHS, 1), "smoke": ("smoke", (64, 48), 1)}
+
+
+@dataclass(frozen=True)
+class Setup:
+    name: str
+    enable: dict | None = None  # hf.enable's arguments, or None
+    config: dict | None = None  # SFTConfig's further arguments
+
+
+SETUPS = (
+    Setup(REFERENCE),
+    Setup("TRL + HF GC + activation_offloading", config={"activation_offloading": True}),
+    Setup("TRL + fastckpt recompute (TRL's head)", enable={"policy": "recompute"}),
+    Setup(
+        "TRL + fastckpt recompute+int8 + loss head + padded attention",
+        enable={"policy": "recompute+int8", "loss_head": True, "padded_attention": True},
+    ),
+    Setup(
+        "TRL + fastckpt recompute:int8+int8 + loss head + padded attention",
+        enable={"policy": "recompute:int8+int8", "loss_head": True, "padded_attention": True},
+    ),
+)
+
+
+def tokenizer(vocab: int):
+    """A word-level tokenizer over `vocab` tokens, built here (no download): the examples come tokenized."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
+
+
+def trainer_step(shape_name: str, lengths: tuple[int, ...], setup: Setup, out: str) -> tuple[Callable[[], float], int]:
+    """The trainer of `setup` after its first step, and a callable running `training_step` on the batch."""
+    import datasets
+    import trl
+
+    shape = SHAPES[shape_name]
+    model = build(shape, lora=True, tokens=max(lengths))
+    if setup.enable is not None:
+        hf.enable(model, **setup.enable)
+    generator = torch.Generator().manual_seed(1)
+    examples = [{"input_ids": torch.randint(2, shape.vocab, (n,), generator=generator).tolist()} for n in lengths]
+    config = trl.SFTConfig(
+        output_dir=os.path.join(out, "trl"),
+        per_device_train_batch_size=len(lengths),
+        max_steps=1,
+        learning_rate=0.0,
+        max_length=max(lengths),
+        bf16=True,
+        use_cpu=not torch.cuda.is_available(),
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        **(setup.config or {}),
+    )
+    trainer = trl.SFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(examples),
+        processing_class=tokenizer(shape.vocab),
+    )
+    trainer.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    trainer.current_gradient_accumulation_steps = 1
+
+    def run() -> float:
+        loss = trainer.training_step(trainer.model, batch)
+        trainer.model.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return run, sum(lengths)
+
+
+def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False) -> list[dict]:
+    import importlib.util
+
+    if importlib.util.find_spec("trl") is None:
+        print("trl: not installed (pip install trl==1.16.0 datasets==4.8.5); skipped")
+        return []
+    shape_name, lengths, rounds = SIZES["smoke" if smoke else "quick" if quick else "full"]
+    out = out or "bench-results/trl"
+    print(
+        f"TRL SFTTrainer, one step: {shape_name} LoRA r=16, bf16, {len(lengths)} examples of {lengths} tokens "
+        f"(right padding), {device}",
+        flush=True,
+    )
+    results: dict[str, dict] = {}
+    failed: dict[str, str] = {}
+    for setup in SETUPS:
+        started = time.perf_counter()
+        try:
+            with quiet_profiler_logs():
+                run, _ = trainer_step(shape_name, lengths, setup, out)
+                loss = run()  # warm
+                times = []
+                for _ in range(rounds):
+                    start = time.perf_counter()
+                    run()
+                    times.append(time.perf_counter() - start)
+            peak = peak_bytes(functools.partial(run), torch.device(device))
+            results[setup.name] = {"peak": peak, "time": statistics.median(times), "loss": loss}
+        except Exception as err:  # a row that cannot run here (e.g. offloading without an accelerator)
+            failed[setup.name] = error_line(err)
+        print(f"  {setup.name}: {time.perf_counter() - started:.0f} s", flush=True)
+    reference = results.get(REFERENCE)
+    rows = []
+    width = max(len(s.name) for s in SETUPS) + 2
+    print(f"{'':<{width}}{'peak MiB':>10}{'x ref':>8}{'step s':>9}{'x ref':>8}{'loss':>10}")
+    for setup in SETUPS:
+        if setup.name in failed:
+            print(f"{setup.name:<{width}}FAILED: {failed[setup.name]}")
+            continue
+        r = results[setup.name]
+        peak_x = r["peak"] / reference["peak"] if reference else None
+        time_x = r["time"] / reference["time"] if reference else None
+        print(
+            f"{setup.name:<{width}}{r['peak'] / 2**20:>10.1f}{fmt(peak_x, '.3f'):>8}{r['time']:>9.2f}"
+            f"{fmt(time_x, '.2f'):>8}{r['loss']:>10.5f}"
+        )
+        rows.append({"row": setup.name, "shape": shape_name, "tokens": sum(lengths), "peak_bytes": r["peak"],
+                     "peak_x_ref": peak_x, "seconds": r["time"], "time_x_ref": time_x, "loss": r["loss"]})  # fmt: skip
+    if out and rows:
+        write_csv(rows, out, "trl.csv")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
