@@ -1,5 +1,5 @@
-"""`python -m benchmarks [checkpoint|llm|planner|compile|ops|train|offload|loss] [--device cpu|cuda] [--out DIR]
-[--quick]`.
+"""`python -m benchmarks [checkpoint|llm|real|planner|compile|ops|train|offload|loss] [--device cpu|cuda]
+[--out DIR] [--quick] [--all]`.
 
 checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
   reentrant, selective), torch's save_on_cpu and DeepSpeed's checkpoint, on the seed CNN, GPT-2-style
@@ -9,11 +9,15 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   'planner-all', not in the default run, adds that stack's sublayer and tiled segmentations and GPT-2).
   Then the compile section: torch.compile of the GPT-2 stack, plain, with torch's checkpoint and with
   fastckpt's policies (fastckpt.compile). Then the llm section: the whole step of a bf16 Llama fine-tune
-  (LoRA and full) against HF gradient checkpointing, and the peak's scaling with length and depth.
-  --workloads picks some (of the workloads, 'planner', 'planner-all', 'compile' and 'llm'), --smoke runs tiny
-  shapes once (checks that every row runs; its numbers mean nothing). --compare DIR prints every row's measured columns
-  as new / old against an earlier results folder.
+  (LoRA and full) against HF gradient checkpointing, and the peak's scaling with length and depth. Then the real
+  section: the whole step at a real model's shape (Llama-3.2-1B, 1,024 tokens, LoRA, padded; about ten minutes
+  on a 2-core CPU) with where its peak is ('real-all', not in the default run, adds Llama-3.2-1B's full
+  fine-tune and 4,096 tokens, Qwen2.5-0.5B and Gemma-2-2B: about an hour there).
+  --workloads picks some (of the workloads, 'planner', 'planner-all', 'compile', 'llm', 'real' and
+  'real-all'), --smoke runs tiny shapes once (checks that every row runs; its numbers mean nothing).
+  --compare DIR prints every row's measured columns as new / old against an earlier results folder.
 llm: the llm section alone (as `python -m benchmarks.llm`).
+real: the real-shapes section alone (as `python -m benchmarks.real_shapes`); --all: every real-shape workload.
 planner: the planner section alone (as `python -m benchmarks.planner`).
 compile: the compile section alone (as `python -m benchmarks.compiled`).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).
@@ -35,6 +39,7 @@ from benchmarks.workloads import WORKLOAD_NAMES
 MODES = {
     "checkpoint": "benchmarks.checkpoint",
     "llm": "benchmarks.llm",
+    "real": "benchmarks.real_shapes",
     "planner": "benchmarks.planner",
     "compile": "benchmarks.compiled",
     "ops": "benchmarks.ops",
@@ -46,8 +51,13 @@ PLANNER = "planner"  # the planner section of the checkpoint benchmark, selectab
 PLANNER_ALL = "planner-all"  # the planner section with its variants (not in the default run: 3x as long)
 COMPILE = "compile"  # the torch.compile section, likewise
 LLM = "llm"  # the whole-step LLM section, likewise
-DEFAULT_SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE, LLM)
-SECTIONS = (*DEFAULT_SECTIONS, PLANNER_ALL)
+REAL = "real"  # the whole step at a real model shape (one workload), likewise
+REAL_ALL = "real-all"  # every real-shape workload (not in the default run: about six times as long)
+DEFAULT_SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE, LLM, REAL)
+SECTIONS = (*DEFAULT_SECTIONS, PLANNER_ALL, REAL_ALL)
+
+
+SMOKE_MODES = ("checkpoint", "llm", "real")
 
 
 def _workload_list(text: str) -> list[str]:
@@ -81,15 +91,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME[,NAME...]",
         help=f"checkpoint only: which workloads, of {', '.join(SECTIONS)} (default: all)",
     )
-    parser.add_argument("--smoke", action="store_true", help="checkpoint and llm: tiny shapes, one round")
+    parser.add_argument("--smoke", action="store_true", help="checkpoint, llm and real: tiny shapes, one round")
+    parser.add_argument("--all", action="store_true", help="real only: every real-shape workload")
     parser.add_argument("--compare", metavar="DIR", help="an earlier results folder: print each row as new / old")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
-    if (args.mode != "checkpoint" and args.workloads) or (args.smoke and args.mode not in ("checkpoint", "llm")):
+    if (args.mode != "checkpoint" and args.workloads) or (
+        args.smoke and args.mode not in ("checkpoint", "llm", "real")
+    ):
         parser.error(
-            f"--workloads and --smoke apply to the checkpoint benchmark, not to {args.mode!r} (--smoke also to 'llm')"
+            f"--workloads and --smoke apply to the checkpoint benchmark, not to {args.mode!r} (--smoke also to 'llm' "
+            "and 'real')"
         )
+    if args.all and args.mode != "real":
+        parser.error(f"--all applies to 'real', not to {args.mode!r} (the checkpoint benchmark: --workloads real-all)")
     if args.compare is not None and not os.path.isdir(args.compare):
         parser.error(f"--compare {args.compare!r} is not a results folder")
     if args.quick and args.smoke:
@@ -115,10 +131,12 @@ def _run(args: argparse.Namespace) -> list[dict]:
     module = importlib.import_module(MODES[args.mode])
     if args.mode == "llm":
         return module.main(device=args.device, out=args.out, quick=args.quick, smoke=args.smoke)
+    if args.mode == "real":
+        return module.main(device=args.device, out=args.out, every=args.all, smoke=args.smoke)
     if args.mode != "checkpoint":
         return module.main(device=args.device, out=args.out, quick=args.quick)
     selected = args.workloads or list(DEFAULT_SECTIONS)
-    workload_names = [name for name in selected if name not in (PLANNER, PLANNER_ALL, COMPILE, LLM)]
+    workload_names = [name for name in selected if name not in (PLANNER, PLANNER_ALL, COMPILE, LLM, REAL, REAL_ALL)]
     out = args.out or module.default_out()
     rows: list[dict] = []
     failed: SystemExit | None = None
@@ -148,6 +166,13 @@ def _run(args: argparse.Namespace) -> list[dict]:
         llm = importlib.import_module(MODES[LLM])
         print(f"\n== {LLM}: the whole step of a bf16 Llama fine-tune", flush=True)
         rows += llm.main(args.device, out, quick=args.quick, smoke=args.smoke)
+    if REAL in selected or REAL_ALL in selected:
+        real = importlib.import_module(MODES[REAL])
+        print(f"\n== {REAL}: the whole step at real model shapes", flush=True)
+        try:
+            rows += real.main(args.device, out, every=REAL_ALL in selected, smoke=args.smoke)
+        except SystemExit as exit_status:
+            failed = failed or exit_status
     if failed is not None:
         raise failed
     return rows

@@ -123,6 +123,49 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+SWEEP_SHAPE = (1024, 2048, 128256)  # (tokens, hidden, vocab): Llama-3.2-1B's head at 1,024 tokens
+SWEEP_CHUNKS = (16, 32, 64, 128, 256, 512, 1024)
+
+
+def sweep(
+    shape: tuple[int, int, int] = SWEEP_SHAPE,
+    chunks: tuple[int, ...] = SWEEP_CHUNKS,
+    device: str = "cpu",
+    rounds: int = 3,
+) -> list[dict]:
+    """fastckpt.linear_cross_entropy's step (forward and backward, bf16 autocast) against its chunk size: a frozen
+    bf16 weight (LoRA: no weight gradient) and a trained fp32 one (full fine-tune: the weight gradient summed over
+    chunks); per chunk its fp32 logits' MiB, the peak and the median time of interleaved rounds, and the time
+    as x the fastest chunk's. What default_chunk_size's rule is chosen from."""
+    tokens, hidden_size, vocab = shape
+    dev = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(tokens, hidden_size, generator=generator).to(dev, torch.bfloat16).requires_grad_()
+    base = torch.randn(vocab, hidden_size, generator=generator) * hidden_size**-0.5
+    labels = torch.randint(0, vocab, (tokens,), generator=generator).to(dev)
+    rows = []
+    for trained, weight in ((False, base.to(dev, torch.bfloat16)), (True, base.to(dev).requires_grad_())):
+
+        def step(chunk: int, weight: torch.Tensor = weight) -> None:
+            hidden.grad = weight.grad = None
+            with torch.autocast(dev.type, dtype=torch.bfloat16):
+                loss = fastckpt.linear_cross_entropy(hidden, weight, labels, chunk_size=chunk)
+            loss.backward()
+            hidden.grad = weight.grad = None
+
+        sizes = [chunk for chunk in chunks if chunk <= tokens]
+        peaks = {chunk: peak_bytes(lambda chunk=chunk: step(chunk), dev) for chunk in sizes}
+        times, _ = median_times({chunk: (lambda chunk=chunk: step(chunk)) for chunk in sizes}, dev, 0, rounds)
+        best = min(times.values())
+        for chunk in sizes:
+            rows.append({"weight": "trained fp32" if trained else "frozen bf16", "chunk": chunk,
+                         "logits_fp32_mib": chunk * vocab * 4 / 2**20, "peak_mib": peaks[chunk] / 2**20,
+                         "time_ms": times[chunk] * 1e3, "time_x_best": times[chunk] / best})  # fmt: skip
+            print(f"{rows[-1]['weight']:<14}{chunk:>7}{rows[-1]['logits_fp32_mib']:>10.1f}{rows[-1]['peak_mib']:>10.1f}"
+                  f"{rows[-1]['time_ms']:>10.0f}{rows[-1]['time_x_best']:>8.3f}", flush=True)  # fmt: skip
+    return rows
+
+
 def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
     if device == "cpu" and _reuse_freed_host_memory():
         # As the checkpoint benchmark does: freed blocks are reused, as by torch's CUDA caching allocator,
@@ -146,5 +189,11 @@ if __name__ == "__main__":
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--sweep", action="store_true", help="the step against the chunk size at SWEEP_SHAPE")
     args = parser.parse_args()
-    main(args.device, args.out, args.quick)
+    if args.sweep:
+        print(f"== loss head vs chunk size, tokens x hidden x vocab {SWEEP_SHAPE}, bf16 autocast")
+        print(f"{'weight':<14}{'chunk':>7}{'fp32 MiB':>10}{'peak MiB':>10}{'ms':>10}{'x best':>8}")
+        sweep(device=args.device)
+    else:
+        main(args.device, args.out, args.quick)

@@ -313,11 +313,12 @@ def _fused(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
     """The summed loss and its gradients with respect to hidden, weight and bias (None where not needed).
 
-    Per chunk: logits -> fp32 log-softmax (its buffer becomes the gradient: exp, minus one at the targets,
-    times the soft cap's derivative) -> cast into the logits' buffer -> the two gradient matmuls. Ignored tokens
-    are zeroed in the [tokens, hidden] operands (their hidden rows, their hidden-gradient rows), not in the
-    [tokens, vocab] gradient. What is per token and not per logit is prepared once for all chunks, so a chunk
-    is ten calls. The uniform factor 1 / divisor is applied in backward, with grad_output."""
+    Per chunk: logits -> their fp32 copy, in which the log-softmax at the targets is read and the gradient made
+    in place (softmax, minus one at the targets, times the soft cap's derivative) -> cast into the logits' buffer
+    -> the two gradient matmuls: one fp32 buffer of the chunk's logits (two with a soft cap: the tanh is kept).
+    Ignored tokens are zeroed in the [tokens, hidden] operands (their hidden rows, their hidden-gradient rows),
+    not in the [tokens, vocab] gradient. What is per token and not per logit is prepared once for all chunks, so
+    a chunk is a dozen calls. The uniform factor 1 / divisor is applied in backward, with grad_output."""
     dtype, device = head.compute_dtype, hidden.device
     n, size = hidden.shape[0], head.chunk_size
     weight_c = weight.to(dtype)
@@ -338,14 +339,19 @@ def _fused(
         logits = _logits(hidden_c[start:stop], weight_c, bias_c, head)
         tanh = None
         if head.softcap is None:
-            logp = F.log_softmax(logits, dim=1, dtype=torch.float32)
+            grad = logits.float()  # the chunk's one fp32 buffer (fp32 logits: the same buffer, not needed again)
         else:
-            tanh = logits.float()  # fp32 logits: the same buffer (not needed again)
+            tanh = logits.float()  # likewise
             tanh.div_(head.softcap).tanh_()
-            logp = F.log_softmax(tanh * head.softcap, dim=1)
-        torch.gather(logp, 1, targets[start:stop], out=target_logp[start:stop])
-        grad = logp.exp_()  # softmax - one_hot: the summed loss's gradient with respect to the fp32 logits
-        grad.scatter_add_(1, targets[start:stop], minus_one[: stop - start])
+            grad = tanh * head.softcap
+        # The fp32 log-softmax at the targets and the softmax, in place in that buffer (no log-softmax output
+        # beside it): shift by the row's max, exponentiate, divide by the row's sum.
+        grad.sub_(grad.amax(dim=1, keepdim=True))
+        shifted = grad.gather(1, targets[start:stop])
+        sums = grad.exp_().sum(dim=1, keepdim=True)
+        torch.sub(shifted, sums.log(), out=target_logp[start:stop])
+        grad.div_(sums)
+        grad.scatter_add_(1, targets[start:stop], minus_one[: stop - start])  # softmax - one_hot: the gradient
         if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
             grad.addcmul_(grad, tanh.square_(), value=-1)
             del tanh
@@ -353,7 +359,7 @@ def _fused(
             grad_logits = grad
         else:  # back to the logits' dtype, as the .float() upcast's backward casts, into the logits' buffer
             grad_logits = logits.copy_(grad)
-        del grad, logp
+        del grad
         if head.logit_scale is not None:
             grad_logits.mul_(head.logit_scale)
         if grad_hidden is not None:
