@@ -225,3 +225,54 @@ def test_linear_log_probs_rejects_bad_arguments():
         log_probs.linear_log_probs(hidden, weight, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="`temperature`"):
         log_probs.linear_log_probs(hidden, weight, torch.zeros(4, dtype=torch.long), temperature=0.0)
+
+
+def _preferences() -> datasets.Dataset:
+    generator = torch.Generator().manual_seed(2)
+
+    def text(n: int) -> str:  # words of the test's tokenizer; a space before TRL appends its EOS
+        return "".join(f"t{i} " for i in torch.randint(2, VOCAB, (n,), generator=generator).tolist())
+
+    return datasets.Dataset.from_list(
+        [{"prompt": text(p), "chosen": text(c), "rejected": text(r)} for p, c, r in ((7, 9, 5), (4, 12, 8))]
+    )
+
+
+def _train_dpo(tokenizer, setup: dict | None) -> list[dict]:
+    model, reference = _model(), _model()
+    if setup is not None:
+        hf.enable(model, **setup)
+    config = trl.DPOConfig(
+        output_dir="/tmp/fastckpt-test-trl",
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=1e-2,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        bf16=False,
+    )
+    trainer = trl.DPOTrainer(
+        model=model, ref_model=reference, args=config, train_dataset=_preferences(), processing_class=tokenizer
+    )
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+def test_dpo_trainer(tokenizer, kernels):
+    """DPO weights each sequence's summed log-probabilities by a sigmoid of the policy's and the reference's: the
+    policy's head is fastckpt's, the reference model's TRL's."""
+    reference = _train_dpo(tokenizer, None)
+    assert kernels["fastckpt"] == 0 and kernels["trl"] > 0
+    kernels.update(fastckpt=0, trl=0)
+    head = _train_dpo(tokenizer, HEAD)
+    assert kernels["fastckpt"] > 0 and kernels["trl"] > 0  # the reference model keeps TRL's kernel
+    assert [sorted(e) for e in head] == [sorted(e) for e in reference]
+    for got, want in zip(head, reference, strict=True):
+        for key, value in want.items():
+            if isinstance(value, float) and key not in ("train_runtime", "learning_rate", "epoch"):
+                assert got[key] == pytest.approx(value, rel=1e-3, abs=1e-5), key

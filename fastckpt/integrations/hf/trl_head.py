@@ -40,14 +40,22 @@ _served: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the PreTrainedM
 
 
 def trl_forward(model: torch.nn.Module) -> Any:
-    """TRL's fused-head forward installed on `model` (under fastckpt's loss head or not), else None."""
-    for name in ("forward", _LossHead.INNER):
-        forward = model.__dict__.get(name)
-        function = getattr(forward, "__func__", forward)
-        # By its code and globals: functools.wraps gave it the model class's forward's names
-        code = getattr(function, "__code__", None)
-        if code is not None and code.co_name == _FUSED_FORWARD and function.__globals__.get("__name__") == _TRL_UTILS:
-            return function
+    """TRL's fused-head forward installed on `model`, else None; found under wrappers installed since (fastckpt's
+    loss head, accelerate's fp32 output conversion) through `__func__` / `__wrapped__` and the loss head's inner
+    forward."""
+    for forward in (model.__dict__.get("forward"), model.__dict__.get(_LossHead.INNER)):
+        for _ in range(32):
+            if forward is None:
+                break
+            # By its code and globals: functools.wraps gave it the model class's forward's names
+            code = getattr(forward, "__code__", None)
+            if (
+                code is not None
+                and code.co_name == _FUSED_FORWARD
+                and forward.__globals__.get("__name__") == _TRL_UTILS
+            ):
+                return forward
+            forward = getattr(forward, "__func__", None) or getattr(forward, "__wrapped__", None)
     return None
 
 
