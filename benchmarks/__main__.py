@@ -1,4 +1,4 @@
-"""`python -m benchmarks [checkpoint|llm|real|planner|compile|ops|train|offload|loss] [--device cpu|cuda]
+"""`python -m benchmarks [checkpoint|llm|real|trl|planner|compile|ops|train|offload|loss] [--device cpu|cuda]
 [--out DIR] [--quick] [--all]`.
 
 checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
@@ -13,11 +13,14 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   section: the whole step at a real model's shape (Llama-3.2-1B, 1,024 tokens, LoRA, padded; about ten minutes
   on a 2-core CPU) with where its peak is ('real-all', not in the default run, adds Llama-3.2-1B's full
   fine-tune and 4,096 tokens, Qwen2.5-0.5B and Gemma-2-2B: about an hour there).
-  --workloads picks some (of the workloads, 'planner', 'planner-all', 'compile', 'llm', 'real' and
-  'real-all'), --smoke runs tiny shapes once (checks that every row runs; its numbers mean nothing).
+  Then the trl section: one step of TRL's SFTTrainer at Llama-3.2-1B's shape, TRL as it comes (HF GC, TRL's
+  fused LM head) against TRL with fastckpt.
+  --workloads picks some (of the workloads, 'planner', 'planner-all', 'compile', 'llm', 'real', 'real-all' and
+  'trl'), --smoke runs tiny shapes once (checks that every row runs; its numbers mean nothing).
   --compare DIR prints every row's measured columns as new / old against an earlier results folder.
 llm: the llm section alone (as `python -m benchmarks.llm`).
 real: the real-shapes section alone (as `python -m benchmarks.real_shapes`); --all: every real-shape workload.
+trl: the TRL section alone (as `python -m benchmarks.trl`; --quick: Qwen2.5-0.5B's shape).
 planner: the planner section alone (as `python -m benchmarks.planner`).
 compile: the compile section alone (as `python -m benchmarks.compiled`).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).
@@ -40,6 +43,7 @@ MODES = {
     "checkpoint": "benchmarks.checkpoint",
     "llm": "benchmarks.llm",
     "real": "benchmarks.real_shapes",
+    "trl": "benchmarks.trl",
     "planner": "benchmarks.planner",
     "compile": "benchmarks.compiled",
     "ops": "benchmarks.ops",
@@ -53,11 +57,12 @@ COMPILE = "compile"  # the torch.compile section, likewise
 LLM = "llm"  # the whole-step LLM section, likewise
 REAL = "real"  # the whole step at a real model shape (one workload), likewise
 REAL_ALL = "real-all"  # every real-shape workload (not in the default run: about six times as long)
-DEFAULT_SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE, LLM, REAL)
+TRL = "trl"  # one step of TRL's SFTTrainer at a real model shape, likewise
+DEFAULT_SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE, LLM, REAL, TRL)
 SECTIONS = (*DEFAULT_SECTIONS, PLANNER_ALL, REAL_ALL)
 
 
-SMOKE_MODES = ("checkpoint", "llm", "real")
+SMOKE_MODES = ("checkpoint", "llm", "real", "trl")
 
 
 def _workload_list(text: str) -> list[str]:
@@ -91,18 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME[,NAME...]",
         help=f"checkpoint only: which workloads, of {', '.join(SECTIONS)} (default: all)",
     )
-    parser.add_argument("--smoke", action="store_true", help="checkpoint, llm and real: tiny shapes, one round")
+    parser.add_argument("--smoke", action="store_true", help="checkpoint, llm, real and trl: tiny shapes, one round")
     parser.add_argument("--all", action="store_true", help="real only: every real-shape workload")
     parser.add_argument("--compare", metavar="DIR", help="an earlier results folder: print each row as new / old")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA GPU is visible")
-    if (args.mode != "checkpoint" and args.workloads) or (
-        args.smoke and args.mode not in ("checkpoint", "llm", "real")
-    ):
+    if (args.mode != "checkpoint" and args.workloads) or (args.smoke and args.mode not in SMOKE_MODES):
         parser.error(
             f"--workloads and --smoke apply to the checkpoint benchmark, not to {args.mode!r} (--smoke also to 'llm' "
-            "and 'real')"
+            "'real' and 'trl')"
         )
     if args.all and args.mode != "real":
         parser.error(f"--all applies to 'real', not to {args.mode!r} (the checkpoint benchmark: --workloads real-all)")
@@ -129,14 +132,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _run(args: argparse.Namespace) -> list[dict]:
     module = importlib.import_module(MODES[args.mode])
-    if args.mode == "llm":
+    if args.mode in ("llm", "trl"):
         return module.main(device=args.device, out=args.out, quick=args.quick, smoke=args.smoke)
     if args.mode == "real":
         return module.main(device=args.device, out=args.out, every=args.all, smoke=args.smoke)
     if args.mode != "checkpoint":
         return module.main(device=args.device, out=args.out, quick=args.quick)
     selected = args.workloads or list(DEFAULT_SECTIONS)
-    workload_names = [name for name in selected if name not in (PLANNER, PLANNER_ALL, COMPILE, LLM, REAL, REAL_ALL)]
+    sections = (PLANNER, PLANNER_ALL, COMPILE, LLM, REAL, REAL_ALL, TRL)
+    workload_names = [name for name in selected if name not in sections]
     out = args.out or module.default_out()
     rows: list[dict] = []
     failed: SystemExit | None = None
@@ -173,6 +177,10 @@ def _run(args: argparse.Namespace) -> list[dict]:
             rows += real.main(args.device, out, every=REAL_ALL in selected, smoke=args.smoke)
         except SystemExit as exit_status:
             failed = failed or exit_status
+    if TRL in selected:
+        trl = importlib.import_module(MODES[TRL])
+        print(f"\n== {TRL}: one step of TRL's SFTTrainer at a real model shape", flush=True)
+        rows += trl.main(args.device, out, quick=args.quick, smoke=args.smoke)
     if failed is not None:
         raise failed
     return rows
