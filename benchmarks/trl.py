@@ -136,13 +136,13 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke
         started = time.perf_counter()
         try:
             with quiet_profiler_logs():
-                run, _ = trainer_step(shape_name, lengths, setup, out)
-                loss = run()  # warm
-                times = []
+                run, _ = trainer_step(shape_name, lengths, setup, out)  # its train() step warms up
+                times, losses = [], []
                 for _ in range(rounds):
                     start = time.perf_counter()
-                    run()
+                    losses.append(run())
                     times.append(time.perf_counter() - start)
+                loss = losses[0]
             peak = peak_bytes(functools.partial(run), torch.device(device))
             results[setup.name] = {"peak": peak, "time": statistics.median(times), "loss": loss}
         except Exception as err:

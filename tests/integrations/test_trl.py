@@ -205,16 +205,20 @@ def test_only_the_enabled_models_head_is_served(kernels):
     assert kernels == {"fastckpt": 1, "trl": 2}
 
 
-def test_a_trl_without_the_kernel_is_reported(monkeypatch):
+@pytest.mark.parametrize("why", ["no kernel in this TRL", "a DTensor head"])
+def test_what_is_not_served_is_reported(monkeypatch, kernels, why):
     model = _model()
     trl.trainer.utils.add_fused_lm_head(model)
     hf.enable(model, **HEAD)
-    code = trl_head.trl_forward(model).__code__
-    monkeypatch.setattr(trl_head, "_KERNEL", "_not_in_this_release")
-    assert "_not_in_this_release" not in code.co_names
+    if why == "no kernel in this TRL":
+        monkeypatch.setattr(trl_head, "_KERNEL", "_not_in_this_release")
+        assert "_not_in_this_release" not in trl_head.trl_forward(model).__code__.co_names
+    else:  # FSDP2 / tensor parallel: TRL gathers the weight into a new tensor
+        monkeypatch.setattr(trl_head, "_is_dtensor", lambda tensor: tensor is model.lm_head.weight)
     ids = torch.randint(2, VOCAB, (1, 8))
     with pytest.warns(UserWarning, match="TRL's head computes the log-probabilities"):
         model(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert kernels == {"fastckpt": 0, "trl": 1}
 
 
 def test_linear_log_probs_rejects_bad_arguments():

@@ -14,7 +14,9 @@ The replacement dispatches on the head's weight: other models (a reference model
 `loss_head=True`) get TRL's own kernel unchanged. It is installed by a forward pre-hook on the model's backbone,
 which runs inside TRL's forward before the kernel is looked up, so the order of `enable` and the trainer's
 construction does not matter. It says so once per model (logging, `fastckpt` logger). A TRL whose patched
-forward does not call that kernel is reported with a warning, once: its head then computes as TRL's.
+forward does not call that kernel, and a head whose weight is a DTensor (FSDP2, tensor parallel: TRL gathers it
+into a new tensor, which the dispatch does not recognise), are reported with a warning, once: TRL's head
+computes there.
 """
 
 from __future__ import annotations
@@ -116,6 +118,16 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
                 stacklevel=3,
             )
         return
+    if _is_dtensor(model.get_output_embeddings().weight):
+        if not model.__dict__.get(_SAID):
+            model.__dict__[_SAID] = True
+            warnings.warn(
+                f"fastckpt.integrations.hf: {type(model).__name__}.lm_head's weight is a DTensor (FSDP2, tensor "
+                "parallel); TRL gathers it into a new tensor for its head, which fastckpt does not serve: TRL's head "
+                "computes the log-probabilities, fastckpt's loss head does not",
+                stacklevel=3,
+            )
+        return
     _served.add(model)
     kernel = getattr(utils, _KERNEL)
     if kernel is not _ServedKernel:
@@ -127,6 +139,14 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
             "fastckpt: TRL's fused LM head on %s computes through fastckpt.linear_log_probs (loss_head=True)",
             type(model).__name__,
         )
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed
+        return False
+    return isinstance(tensor, DTensor)
 
 
 def _hook_keys(model: torch.nn.Module) -> list[int]:
