@@ -13,14 +13,14 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   section: the whole step at a real model's shape (Llama-3.2-1B, 1,024 tokens, LoRA, padded; about ten minutes
   on a 2-core CPU) with where its peak is ('real-all', not in the default run, adds Llama-3.2-1B's full
   fine-tune and 4,096 tokens, Qwen2.5-0.5B and Gemma-2-2B: about an hour there).
-  Then the trl section: one step of TRL's SFTTrainer at Llama-3.2-1B's shape, TRL as it comes (HF GC, TRL's
+  Then the trl section: one step of TRL's SFTTrainer at Qwen2.5-0.5B's shape, TRL as it comes (HF GC, TRL's
   fused LM head) against TRL with fastckpt.
   --workloads picks some (of the workloads, 'planner', 'planner-all', 'compile', 'llm', 'real', 'real-all' and
   'trl'), --smoke runs tiny shapes once (checks that every row runs; its numbers mean nothing).
   --compare DIR prints every row's measured columns as new / old against an earlier results folder.
 llm: the llm section alone (as `python -m benchmarks.llm`).
 real: the real-shapes section alone (as `python -m benchmarks.real_shapes`); --all: every real-shape workload.
-trl: the TRL section alone (as `python -m benchmarks.trl`; --quick: Qwen2.5-0.5B's shape).
+trl: the TRL section alone (as `python -m benchmarks.trl`, which also takes --shape).
 planner: the planner section alone (as `python -m benchmarks.planner`).
 compile: the compile section alone (as `python -m benchmarks.compiled`).
 ops: throughput of each compiled op as a fraction of memcpy bandwidth (η).

@@ -6,11 +6,14 @@ TRL as it comes (HF GC, TRL's head: the reference), with TRL's `activation_offlo
 (`hf.enable(model, ...)` before the trainer is built): `recompute` alone (TRL's head), and the storage policies
 with `loss_head=True` (fastckpt's head serves TRL's fused-head calls) and padded attention.
 
-The model: Llama-3.2-1B's shape (random weights, bf16, LoRA r=16 on all seven projections, as a PEFT model;
-`--quick`: Qwen2.5-0.5B's shape), a batch of two examples of 1,024 and 896 tokens that TRL's collator pads on the
-right, bf16 autocast (`bf16=True`), learning rate 0 so that every row steps from the same weights. Each row:
-the trainer is built and trains one step (`train()`: what turns checkpointing on), then `training_step` on the
-same batch is timed (median of the rounds) and its peak measured (the profiler's allocation records on CPU).
+The model: Qwen2.5-0.5B's shape (random weights, bf16, LoRA r=16 on all seven projections, as a PEFT model;
+`python -m benchmarks.trl --shape llama-3.2-1b` for another of benchmarks/real_shapes.py's shapes), a batch of
+two examples of 1,024 and 896 tokens (`--quick`: 512 and 448) that TRL's collator pads on the right, bf16
+autocast (`bf16=True`), learning rate 0 so that every row steps from the same weights. Each row: the trainer
+is built and trains one step (`train()`: what turns checkpointing on, and the warm-up), then `training_step`
+on the same batch is timed (median of the rounds) and its peak measured (the profiler's allocation records on
+CPU).
+
 Liger Kernel's fused cross entropy is not a row: TRL's SFTTrainer refuses it (it would replace the fused head),
 and it runs only on GPUs (Triton).
 """
@@ -33,7 +36,13 @@ from fastckpt.integrations import hf
 
 REFERENCE = "TRL + HF GC (TRL's fused head)"
 LENGTHS = (1024, 896)  # the batch's two examples, in tokens
-SIZES = {"full": ("llama-3.2-1b", LENGTHS, 2), "quick": ("qwen2.5-0.5b", LENGTHS, 1), "smoke": ("smoke", (64, 48), 1)}
+# (shape, the examples' lengths, timed rounds) per size; Qwen2.5-0.5B: a real vocabulary (151,936) at a step that
+# `make bench` can afford on a 2-core CPU
+SIZES = {
+    "full": ("qwen2.5-0.5b", LENGTHS, 2),
+    "quick": ("qwen2.5-0.5b", (512, 448), 1),
+    "smoke": ("smoke", (64, 48), 1),
+}
 
 
 @dataclass(frozen=True)
@@ -111,13 +120,16 @@ def trainer_step(shape_name: str, lengths: tuple[int, ...], setup: Setup, out: s
     return run, sum(lengths)
 
 
-def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False) -> list[dict]:
+def main(
+    device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False, shape: str | None = None
+) -> list[dict]:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
         print("trl: not installed (pip install trl==1.16.0 datasets==4.8.5); skipped")
         return []
     shape_name, lengths, rounds = SIZES["smoke" if smoke else "quick" if quick else "full"]
+    shape_name = shape or shape_name
     out = out or "bench-results/trl"
     print(
         f"TRL SFTTrainer, one step: {shape_name} LoRA r=16, bf16, {len(lengths)} examples of {lengths} tokens "
@@ -171,4 +183,11 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.trl", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a real-shape model (default: qwen2.5-0.5b)")
+    parser.add_argument("--quick", action="store_true", help="512 and 448 tokens, one round")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    main(out=args.out, quick=args.quick, shape=args.shape)
