@@ -18,7 +18,7 @@ it needs the fp32 copy and a plain step, which at these shapes cost more memory 
 Each row's peak is measured on one step traced with `fastckpt.memory.MemoryTrace`, marks made by hooks on the
 decoder layers, their attention and the final norm (forward, recompute in backward, and the layer's backward
 after it): every block live at the peak is attributed to the phase that allocated it (`breakdown`), next to the
-floor (`floor_bytes`: what must be live at the peak whatever the policy).
+floor (`floor_bytes`: what must be live at the peak whatever the policy, the parameter gradients included).
 
 By default (`make bench`) one workload: Llama-3.2-1B, 1,024 tokens, LoRA, padded, with the error columns (about
 ten minutes on a 2-core CPU); `--all` adds the others (ALL: about an hour there); `--smoke` runs a tiny Llama
@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from benchmarks.harness import median_times, quiet_profiler_logs, write_csv
+from benchmarks.ops import _reuse_freed_host_memory
 from benchmarks.steps import (
     HF_GC,
     PLAIN,
@@ -242,16 +243,20 @@ def traced_step(model: torch.nn.Module, batch: dict, loss: Callable, device: tor
     return Traced(trace.peak, parts, keys[latest])
 
 
-def floor_bytes(shape: Shape, tokens: int) -> int:
-    """What must be live at the peak whatever the policy (bf16 compute): every layer's input at its smallest
-    stored form (int8: a byte per element), the last hidden state and its gradient (bf16), and, in the backward
-    of one layer, the widest activation the gradients need (the MLP's [tokens, intermediate] input of its down
-    projection) stored as int8 and its bf16 gradient. The loss head's chunk is left out: it can be made as small
-    as one wants, at a cost in time."""
-    stored = shape.layers * tokens * shape.hidden
-    last = 2 * tokens * shape.hidden * 2
-    layer = tokens * shape.intermediate * (1 + 2)
-    return stored + last + layer
+def floor_bytes(model: torch.nn.Module, shape: Shape, tokens: int) -> int:
+    """What must be live at the peak whatever the policy (bf16 compute), at its largest over the backward: while
+    layer i's backward runs, the inputs of layers 0..i at their smallest stored form (int8: a byte per element),
+    the gradient of layer i's output (bf16), the widest activation the layer's gradients need (the MLP's [tokens,
+    intermediate] input of its down projection) as int8 and its bf16 gradient, and the parameter gradients made
+    so far (the layers after i, and the head's and embeddings' where they are trained). The loss head's chunk is
+    left out: it can be made as small as one wants, at a cost in time."""
+    layers = causal_lm(model).model.layers
+    per_layer = [sum(p.numel() * p.element_size() for p in layer.parameters() if p.requires_grad) for layer in layers]
+    outside = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) - sum(per_layer)
+    working = tokens * shape.hidden * 2 + tokens * shape.intermediate * (1 + 2)
+    return max(
+        (i + 1) * tokens * shape.hidden + working + outside + sum(per_layer[i + 1 :]) for i in range(len(per_layer))
+    )
 
 
 # --- the table ---------------------------------------------------------------------------------------------------
@@ -299,12 +304,14 @@ def run(workload: Workload, device: torch.device) -> tuple[list[dict], dict[str,
     steps = {name: timed(*pair) for name, pair in models.items()}
     times, timing_failed = median_times(steps, device, 0, workload.rounds)
     failed.update(timing_failed)
-    table = _table(workload, shape, results, times, failed)
+    table = _table(workload, shape, base, results, times, failed)
     print(f"({workload.name}: {time.perf_counter() - started:.0f} s)", flush=True)
     return table, failed
 
 
-def _table(workload: Workload, shape: Shape, results: dict, times: dict, failed: dict) -> list[dict]:
+def _table(
+    workload: Workload, shape: Shape, model: torch.nn.Module, results: dict, times: dict, failed: dict
+) -> list[dict]:
     tokens = workload.tokens
     print(f"\n== {workload.name}: {shape.layers} layers, hidden {shape.hidden}, vocab {shape.vocab:,}, 1 x {tokens} "
           f"tokens ({'first eighth left padding' if workload.batch == 'padded' else 'packed sequences'}), bf16 "
@@ -312,7 +319,7 @@ def _table(workload: Workload, shape: Shape, results: dict, times: dict, failed:
     print(f"{'config':<62}{'peak MiB':>10}{'x HF GC':>9}{'s/step':>8}{'x HF GC':>9}{'grad err':>10}{'x bf16':>8}")
     gc = results.get(HF_GC)
     plain_error = results.get(PLAIN, {}).get("error")
-    floor = floor_bytes(shape, tokens)
+    floor = floor_bytes(model, shape, tokens)
     table = []
     for config, r in results.items():
         peak = r["traced"].peak
@@ -332,8 +339,8 @@ def _table(workload: Workload, shape: Shape, results: dict, times: dict, failed:
               f"{fmt(row['grad_rel_l2'], '.2e'):>10}{fmt(row['error_x_bf16'], '.2f'):>8}", flush=True)  # fmt: skip
     for config, error in failed.items():
         print(f"{config:<62}FAILED: {error}")
-    print(f"floor (every layer's input as int8, the last hidden state and its gradient, one layer's MLP activation "
-          f"as int8 and its gradient): {floor / 2**20:.1f} MiB"
+    print(f"floor (during a layer's backward: the inputs still stored as int8, the gradients made so far, its "
+          f"output's gradient, its MLP activation as int8 and that one's gradient): {floor / 2**20:.1f} MiB"
           + (f" = {floor / gc['traced'].peak:.3f}x HF GC" if gc else ""))  # fmt: skip
     print(f"live at the peak, MiB: {'config':<52}" + "".join(f"{name:>12}" for name in CATEGORIES) + "  peak in")
     for config, r in results.items():
@@ -344,6 +351,10 @@ def _table(workload: Workload, shape: Shape, results: dict, times: dict, failed:
 
 def main(device: str = "cpu", out: str | None = None, every: bool = False, smoke: bool = False) -> list[dict]:
     dev = torch.device(device)
+    if dev.type == "cpu" and _reuse_freed_host_memory():
+        # As the checkpoint and loss benchmarks (and `make bench` before this section): freed blocks are reused, as
+        # by torch's CUDA caching allocator, rather than every large buffer paging in fresh memory.
+        print("(CPU: glibc malloc set to reuse freed memory)")
     table, failed = [], {}
     for workload in SMOKE if smoke else ALL if every else DEFAULT:
         rows_, failed_ = run(workload, dev)

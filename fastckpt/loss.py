@@ -23,28 +23,39 @@ import torch
 import torch.nn.functional as F
 
 _NAME = "fastckpt.linear_cross_entropy: "
-# The default chunk (default_chunk_size says why): fp32 logits of about CHUNK_BYTES, at least MIN_CHUNK tokens,
-# and when the weight gradient is computed at least hidden_size / 2 tokens; a multiple of CHUNK_MULTIPLE tokens.
-CHUNK_BYTES = 2 * 2**20
-MIN_CHUNK = 128
-CHUNK_MULTIPLE = 64
+# The default chunk (default_chunk_size says why): fp32 logits of at most CHUNK_BYTES and at most MAX_CHUNK tokens,
+# at least MIN_CHUNK tokens, and when the weight gradient is computed at least hidden_size / 2 tokens; a multiple of
+# CHUNK_MULTIPLE tokens.
+CHUNK_BYTES = 48 * 2**20
+MAX_CHUNK = 128
+MIN_CHUNK = 32
+CHUNK_MULTIPLE = 16
 
 
 def default_chunk_size(vocab_size: int, hidden_size: int = 0, weight_grad: bool = False) -> int:
     """Tokens per chunk when `chunk_size` is not given.
 
-    About CHUNK_BYTES (2 MiB) of fp32 logits (128 tokens at vocab 4096), at least MIN_CHUNK (128) tokens
-    (16 MiB at vocab 32000, 64 MiB at 128256), and, when the weight gradient is computed, at least
-    hidden_size / 2 tokens. Measured on CPU (2048-4096 tokens, bf16 autocast, one thread): the fastest
-    chunks held 8-64 MiB of fp32 logits (vocab 4096: 128-512 tokens; 32000: 256-512); with a trained
-    weight, every chunk also adds its [vocab, hidden] weight-gradient product into the fp32 sum, so few
-    tokens per chunk cost extra (hidden 1024: +48% at 128 tokens, +19% at 256, within 2% of the best from
-    512 on; a frozen weight: flat). The size is the small end of that range because after checkpointing
-    the chunk is the step's peak: a bf16 Llama LoRA step (16 layers, 1024 tokens, vocab 4096) peaked at
-    32.2 MiB with 512-token chunks and 23.0 MiB with 128 (recompute:int8+int8; HF checkpointing: 76 MiB).
+    A byte bound and a token bound: at most CHUNK_BYTES (48 MiB) of fp32 logits (96 tokens at vocab 128,256, 80
+    at 151,936, 48 at 256,000; rounded down to a multiple of CHUNK_MULTIPLE) and at most MAX_CHUNK (128) tokens
+    (from vocab 4096 to 98k), at least MIN_CHUNK (32) tokens, and, when the weight gradient is computed, at
+    least hidden_size / 2 tokens. After checkpointing the chunk is much of the step's peak: it holds the chunk's
+    logits in the compute dtype and one fp32 buffer (1.5x the fp32 bytes under bf16), against, at Llama-3.2-1B's
+    shape (1,024 tokens, LoRA), some 60 MiB for everything else; 128 tokens at vocab 128,256 were 63 MiB of fp32
+    logits. The bounds below are time: every chunk reads the whole head weight twice (the logits, the hidden
+    states' gradient), so few tokens per chunk are slow whatever the vocabulary. Measured on CPU
+    (`python -m benchmarks.loss_head --sweep`: 1,024 tokens, hidden 2048, vocab 128,256, bf16 autocast, 2 threads),
+    the head's step as x its fastest chunk: a frozen bf16 weight (LoRA) 5.6x at 16 tokens, 1.8x at 32, 1.43x at
+    64, 1.14x at 128, 1.03x at 256; a trained fp32 weight, which also adds a [vocab, hidden] product into the fp32
+    weight-gradient sum per chunk, 3.2x at 64, 1.97x at 128, 1.39x at 256, 1.13x at 512, 1.0x at 1,024 (its
+    chunk is a small part of a full fine-tune's peak: the weight gradient's sum alone is 1 GiB there). At vocab
+    4096 the fastest chunks were 128-512 tokens and 128 the lowest peak (a bf16 Llama LoRA step, 16 layers, 1024
+    tokens: 23.0 MiB against 32.2 with 512).
     """
-    tokens = max(CHUNK_BYTES // (4 * max(1, vocab_size)), MIN_CHUNK, hidden_size // 2 if weight_grad else 0)
-    return -(-tokens // CHUNK_MULTIPLE) * CHUNK_MULTIPLE
+    by_bytes = CHUNK_BYTES // (4 * max(1, vocab_size)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
+    tokens = max(MIN_CHUNK, min(MAX_CHUNK, by_bytes))
+    if weight_grad:
+        tokens = max(tokens, -(-(hidden_size // 2) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE)
+    return tokens
 
 
 @dataclass(frozen=True)
