@@ -11,7 +11,8 @@ starting again, as benchmarks/llm.py's packed section).
 
 Rows: HF gradient checkpointing (the reference of the 'x HF GC' columns) and fastckpt's `recompute+int8` and
 `recompute:int8+int8` with the loss head and padded attention (`hf.enable(model, policy=..., loss_head=True,
-padded_attention=True)`). The gradient error (relative L2 of the trained parameters' gradients against an fp32
+padded_attention=True)`); Gemma 2 runs in eager attention (transformers 5.23 has no sdpa path for its attention
+soft cap), where padded attention does not apply: its fastckpt rows have the loss head alone. The gradient error (relative L2 of the trained parameters' gradients against an fp32
 step on an fp32 copy of the same weights, divided by plain bf16 autocast's own) only where the workload says so:
 it needs the fp32 copy and a plain step, which at these shapes cost more memory and time than the rows measured.
 
@@ -71,6 +72,7 @@ class Shape:
     vocab: int
     head_dim: int | None = None
     extra: dict = field(default_factory=dict)  # further config keywords
+    attention: str = "sdpa"  # transformers 5.23 runs Gemma 2 (attention soft cap) in eager attention only
 
 
 SHAPES = {
@@ -86,6 +88,7 @@ SHAPES = {
         256000,
         head_dim=256,
         extra={"final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0, "sliding_window": 4096},
+        attention="eager",
     ),  # fmt: skip
     "smoke": Shape("llama", 64, 2, 4, 2, 160, 1024, extra={"rope_theta": 500000.0}),
 }
@@ -124,11 +127,14 @@ ALL = (
 SMOKE = (Workload("smoke", 64, True, "padded", error=True), Workload("smoke", 64, False, "packed"))
 
 
-def rows() -> list[Row]:
+def rows(padded: bool = True) -> list[Row]:
+    """HF GC and fastckpt's rows; `padded=False` (a model not in sdpa attention, which padded attention
+    replaces): the fastckpt rows with the loss head alone."""
+    options = WHOLE_STEP if padded else "loss head"
     return [
         Row(HF_GC, hf_gc),
-        Row(f"fastckpt recompute+int8 + {WHOLE_STEP}", fastckpt("recompute+int8", True, padded=True)),
-        Row(f"fastckpt recompute:int8+int8 + {WHOLE_STEP}", fastckpt("recompute:int8+int8", True, padded=True)),
+        Row(f"fastckpt recompute+int8 + {options}", fastckpt("recompute+int8", True, padded=padded)),
+        Row(f"fastckpt recompute:int8+int8 + {options}", fastckpt("recompute:int8+int8", True, padded=padded)),
     ]
 
 
@@ -144,7 +150,7 @@ def build(shape: Shape, lora: bool, tokens: int) -> torch.nn.Module:
         tie_word_embeddings=True, max_position_embeddings=max(tokens, 8192), pad_token_id=0,
         **({} if shape.head_dim is None else {"head_dim": shape.head_dim}), **shape.extra,
     )  # fmt: skip
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = shape.attention
     torch.manual_seed(0)
     model = getattr(transformers, CLASSES[shape.family])._from_config(
         config, dtype=torch.bfloat16 if lora else torch.float32
@@ -269,7 +275,7 @@ def run(workload: Workload, device: torch.device) -> tuple[list[dict], dict[str,
     base = build(shape, workload.lora, workload.tokens).to(device)
     batch = batch_of(workload, shape.vocab, device)
     reference = None
-    measured: list[Row] = rows()
+    measured: list[Row] = rows(padded=shape.attention == "sdpa")
     if workload.error:
         fp32 = copy.deepcopy(base).float()
         step(fp32, batch, autocast=False)
