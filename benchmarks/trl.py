@@ -20,16 +20,14 @@ and it runs only on GPUs (Triton).
 
 from __future__ import annotations
 
-import functools
 import os
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from benchmarks.harness import error_line, peak_bytes, quiet_profiler_logs, write_csv
+from benchmarks.harness import error_line, median_times, peak_bytes, quiet_profiler_logs, write_csv
 from benchmarks.real_shapes import SHAPES, build
 from benchmarks.steps import fmt
 from fastckpt.integrations import hf
@@ -77,8 +75,9 @@ def tokenizer(vocab: int):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
 
 
-def trainer_step(shape_name: str, lengths: tuple[int, ...], setup: Setup, out: str) -> tuple[Callable[[], float], int]:
-    """The trainer of `setup` after its first step, and a callable running `training_step` on the batch."""
+def trainer_step(shape_name: str, lengths: tuple[int, ...], setup: Setup, out: str) -> Callable[[], float]:
+    """A callable running `training_step` of `setup`'s trainer, after its first step, on the batch; it returns the
+    loss."""
     import datasets
     import trl
 
@@ -117,7 +116,7 @@ def trainer_step(shape_name: str, lengths: tuple[int, ...], setup: Setup, out: s
         trainer.model.zero_grad(set_to_none=True)
         return float(loss)
 
-    return run, sum(lengths)
+    return run
 
 
 def main(
@@ -138,6 +137,8 @@ def main(
     )
     results: dict[str, dict] = {}
     failed: dict[str, str] = {}
+    runs: dict[str, Callable[[], float]] = {}
+    losses: dict[str, float] = {}
     for setup in SETUPS:
         if (setup.config or {}).get("activation_offloading") and device == "cpu":
             failed[setup.name] = (
@@ -148,18 +149,24 @@ def main(
         started = time.perf_counter()
         try:
             with quiet_profiler_logs():
-                run, _ = trainer_step(shape_name, lengths, setup, out)  # its train() step warms up
-                times, losses = [], []
-                for _ in range(rounds):
-                    start = time.perf_counter()
-                    losses.append(run())
-                    times.append(time.perf_counter() - start)
-                loss = losses[0]
-            peak = peak_bytes(functools.partial(run), torch.device(device))
-            results[setup.name] = {"peak": peak, "time": statistics.median(times), "loss": loss}
+                runs[setup.name] = trainer_step(shape_name, lengths, setup, out)  # its train() step warms up
         except Exception as err:
             failed[setup.name] = f"FAILED: {error_line(err)}"
-        print(f"  {setup.name}: {time.perf_counter() - started:.0f} s", flush=True)
+        print(f"  {setup.name}: built and one step in {time.perf_counter() - started:.0f} s", flush=True)
+
+    def recording(name: str, run: Callable[[], float]) -> Callable[[], None]:
+        return lambda: losses.setdefault(name, run())  # the first timed step's loss
+
+    # The rows alternate within each round (all trainers are built first), so drift hits them alike.
+    with quiet_profiler_logs():
+        seconds, step_failed = median_times(
+            {name: recording(name, run) for name, run in runs.items()}, torch.device(device), 0, rounds
+        )
+    failed.update({name: f"FAILED: {error}" for name, error in step_failed.items()})
+    for name, run in runs.items():
+        if name not in failed:
+            peak = peak_bytes(run, torch.device(device))
+            results[name] = {"peak": peak, "time": seconds[name], "loss": losses[name]}
     reference = results.get(REFERENCE)
     rows = []
     width = max(len(s.name) for s in SETUPS) + 2
