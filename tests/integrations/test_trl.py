@@ -23,6 +23,20 @@ from fastckpt.integrations.hf import trl_head  # noqa: E402
 VOCAB = 96
 LENGTHS = (21, 9, 30, 14, 26, 17, 11, 23)  # one example each; batches of 2 (4 per step with accumulation)
 HEAD = dict(policy="recompute", loss_head=True, padded_attention=True)
+# What every trainer here is given: two steps on CPU, a metrics line per step, nothing saved or reported.
+TRAINING = dict(
+    output_dir="/tmp/fastckpt-test-trl",
+    per_device_train_batch_size=2,
+    max_steps=2,
+    learning_rate=1e-2,
+    logging_steps=1,
+    save_strategy="no",
+    report_to=[],
+    use_cpu=True,
+    disable_tqdm=True,
+    dataloader_num_workers=0,
+    seed=0,
+)
 
 
 @pytest.fixture(scope="module")
@@ -98,21 +112,7 @@ def _train(tokenizer, setup: dict | None, case: dict, steps: int = 2, bf16: bool
         model, peft_config = peft.get_peft_model(model, peft_config), None
     if setup is not None and not after:
         hf.enable(model, **setup)
-    config = trl.SFTConfig(
-        output_dir="/tmp/fastckpt-test-trl",
-        per_device_train_batch_size=2,
-        max_steps=steps,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        bf16=bf16,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-        **case,
-    )
+    config = trl.SFTConfig(**{**TRAINING, "max_steps": steps}, bf16=bf16, **case)
     trainer = trl.SFTTrainer(
         model=model,
         args=config,
@@ -246,20 +246,7 @@ def _train_dpo(tokenizer, setup: dict | None) -> list[dict]:
     model, reference = _model(), _model()
     if setup is not None:
         hf.enable(model, **setup)
-    config = trl.DPOConfig(
-        output_dir="/tmp/fastckpt-test-trl",
-        per_device_train_batch_size=2,
-        max_steps=2,
-        learning_rate=1e-2,
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-        bf16=False,
-    )
+    config = trl.DPOConfig(**TRAINING, bf16=False)
     trainer = trl.DPOTrainer(
         model=model, ref_model=reference, args=config, train_dataset=_preferences(), processing_class=tokenizer
     )
