@@ -184,6 +184,10 @@ def main(
         )
         rows.append({"row": setup.name, "shape": shape_name, "tokens": sum(lengths), "peak_bytes": r["peak"],
                      "peak_x_ref": peak_x, "seconds": r["time"], "time_x_ref": time_x, "loss": r["loss"]})  # fmt: skip
+    print(
+        "Liger Kernel's fused linear cross entropy: no row (TRL's SFTTrainer refuses it beside its fused head, and "
+        "it needs a GPU: Triton)"
+    )
     if out and rows:
         write_csv(rows, out, "trl.csv")
     return rows

@@ -189,6 +189,16 @@ def test_enable_after_the_trainer_is_built_and_bf16(tokenizer, kernels, caplog):
         assert got["mean_token_accuracy"] == pytest.approx(want["mean_token_accuracy"], abs=0.02)
 
 
+def test_a_budget_is_planned_on_trls_first_batch(tokenizer, kernels):
+    """enable(budget=...) plans on the first training batch, which under TRL is a fused-head call."""
+    _, reference = _train(tokenizer, None, CASES["right"], steps=1)
+    trainer, planned = _train(tokenizer, {"budget": "100%", "loss_head": True, "padded_attention": True}, {}, steps=1)
+    plan = hf.planned(trainer.model)
+    assert plan is not None and plan.applied and plan.measured_peak <= plan.budget
+    assert kernels["fastckpt"] > 0
+    assert planned[0]["loss"] == pytest.approx(reference[0]["loss"], rel=2e-4)
+
+
 def test_only_the_enabled_models_head_is_served(kernels):
     """A reference model (or any model without loss_head=True) keeps TRL's kernel; disable hands ours back."""
     served, other = _model(), _model()
