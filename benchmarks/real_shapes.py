@@ -12,9 +12,10 @@ starting again, as benchmarks/llm.py's packed section).
 Rows: HF gradient checkpointing (the reference of the 'x HF GC' columns) and fastckpt's `recompute+int8` and
 `recompute:int8+int8` with the loss head and padded attention (`hf.enable(model, policy=..., loss_head=True,
 padded_attention=True)`); Gemma 2 runs in eager attention (transformers 5.23 has no sdpa path for its attention
-soft cap), where padded attention does not apply: its fastckpt rows have the loss head alone. The gradient error (relative L2 of the trained parameters' gradients against an fp32
-step on an fp32 copy of the same weights, divided by plain bf16 autocast's own) only where the workload says so:
-it needs the fp32 copy and a plain step, which at these shapes cost more memory and time than the rows measured.
+soft cap), where padded attention does not apply: its fastckpt rows have the loss head alone. The gradient
+error (relative L2 of the trained parameters' gradients against an fp32 step on an fp32 copy of the same weights,
+divided by plain bf16 autocast's own) only where the workload says so: it needs the fp32 copy and a plain step,
+which at these shapes cost more memory and time than the rows measured.
 
 Each row's peak is measured on one step traced with `fastckpt.memory.MemoryTrace`, marks made by hooks on the
 decoder layers, their attention and the final norm (forward, recompute in backward, and the layer's backward
@@ -338,6 +339,7 @@ def _table(
             "error_x_bf16": r["error"] / plain_error if r["error"] is not None and plain_error else None,
             "floor_MiB": floor / 2**20,
             **{f"at_peak_{name}_MiB": size / 2**20 for name, size in r["traced"].parts.items()},
+            "peak_in": r["traced"].at,
         }  # fmt: skip
         table.append(row)
         print(f"{config:<62}{row['peak_MiB']:>10.1f}{fmt(row['peak_x_hf_gc'], '.3f'):>9}"
