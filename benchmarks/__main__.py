@@ -10,9 +10,9 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   Then the compile section: torch.compile of the GPT-2 stack, plain, with torch's checkpoint and with
   fastckpt's policies (fastckpt.compile). Then the llm section: the whole step of a bf16 Llama fine-tune
   (LoRA and full) against HF gradient checkpointing, and the peak's scaling with length and depth. Then the real
-  section: the whole step at a real model's shape (Llama-3.2-1B, 1,024 tokens, LoRA, padded; about ten minutes
+  section: the whole step at a real model's shape (Llama-3.2-1B, 1,024 tokens, LoRA, padded; 7-9 minutes
   on a 2-core CPU) with where its peak is ('real-all', not in the default run, adds Llama-3.2-1B's full
-  fine-tune and 4,096 tokens, Qwen2.5-0.5B and Gemma-2-2B: about an hour there).
+  fine-tune and 4,096 tokens, Qwen2.5-0.5B and Gemma-2-2B: some two hours there).
   Then the trl section: one step of TRL's SFTTrainer at Qwen2.5-0.5B's shape, TRL as it comes (HF GC, TRL's
   fused LM head) against TRL with fastckpt.
   --workloads picks some (of the workloads, 'planner', 'planner-all', 'compile', 'llm', 'real', 'real-all' and

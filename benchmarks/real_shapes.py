@@ -22,9 +22,10 @@ decoder layers, their attention and the final norm (forward, recompute in backwa
 after it): every block live at the peak is attributed to the phase that allocated it (`breakdown`), next to the
 floor (`floor_bytes`: what must be live at the peak whatever the policy, the parameter gradients included).
 
-By default (`make bench`) one workload: Llama-3.2-1B, 1,024 tokens, LoRA, padded, with the error columns (about
-ten minutes on a 2-core CPU); `--all` adds the others (ALL: about an hour there); `--smoke` runs a tiny Llama
-once (checks that everything runs; its numbers mean nothing).
+By default (`make bench`) one workload: Llama-3.2-1B, 1,024 tokens, LoRA, padded, with the error columns (7-9
+minutes on a 2-core CPU); `--all` adds the others (ALL: 6-16 minutes each there, the 4,096-token ones longer; some
+two hours in all; Llama-3.2-1B's full fine-tune needs some 20 GB of memory); `--smoke` runs a tiny Llama once
+(checks that everything runs; its numbers mean nothing).
 """
 
 from __future__ import annotations
