@@ -23,36 +23,40 @@ import torch
 import torch.nn.functional as F
 
 _NAME = "fastckpt.linear_cross_entropy: "
-# The default chunk (default_chunk_size says why): fp32 logits of at most CHUNK_BYTES and at most MAX_CHUNK tokens,
-# at least MIN_CHUNK tokens, and when the weight gradient is computed at least hidden_size / 2 tokens; a multiple of
-# CHUNK_MULTIPLE tokens.
-CHUNK_BYTES = 48 * 2**20
-MAX_CHUNK = 128
-MIN_CHUNK = 32
+# The default chunk (default_chunk_size says why): about CHUNK_BYTES of fp32 logits and at least MIN_CHUNK tokens,
+# but at most MAX_CHUNK_BYTES of fp32 logits and never fewer than FEWEST_TOKENS; when the weight gradient is
+# computed at least hidden_size / 2 tokens; a multiple of CHUNK_MULTIPLE tokens.
+CHUNK_BYTES = 2 * 2**20
+MIN_CHUNK = 128
+MAX_CHUNK_BYTES = 48 * 2**20
+FEWEST_TOKENS = 32
 CHUNK_MULTIPLE = 16
 
 
 def default_chunk_size(vocab_size: int, hidden_size: int = 0, weight_grad: bool = False) -> int:
     """Tokens per chunk when `chunk_size` is not given.
 
-    A byte bound and a token bound: at most CHUNK_BYTES (48 MiB) of fp32 logits (96 tokens at vocab 128,256, 80
-    at 151,936, 48 at 256,000; rounded down to a multiple of CHUNK_MULTIPLE) and at most MAX_CHUNK (128) tokens
-    (from vocab 4096 to 98k), at least MIN_CHUNK (32) tokens, and, when the weight gradient is computed, at
-    least hidden_size / 2 tokens. After checkpointing the chunk is much of the step's peak: it holds the chunk's
-    logits in the compute dtype and one fp32 buffer (1.5x the fp32 bytes under bf16), against, at Llama-3.2-1B's
-    shape (1,024 tokens, LoRA), some 60 MiB for everything else; 128 tokens at vocab 128,256 were 63 MiB of fp32
-    logits. The bounds below are time: every chunk reads the whole head weight twice (the logits, the hidden
-    states' gradient), so few tokens per chunk are slow whatever the vocabulary. Measured on CPU
-    (`python -m benchmarks.loss_head --sweep`: 1,024 tokens, hidden 2048, vocab 128,256, bf16 autocast, 2 threads),
-    the head's step as x its fastest chunk: a frozen bf16 weight (LoRA) 5.6x at 16 tokens, 1.8x at 32, 1.43x at
-    64, 1.14x at 128, 1.03x at 256; a trained fp32 weight, which also adds a [vocab, hidden] product into the fp32
-    weight-gradient sum per chunk, 3.2x at 64, 1.97x at 128, 1.39x at 256, 1.13x at 512, 1.0x at 1,024 (its
-    chunk is a small part of a full fine-tune's peak: the weight gradient's sum alone is 1 GiB there). At vocab
-    4096 the fastest chunks were 128-512 tokens and 128 the lowest peak (a bf16 Llama LoRA step, 16 layers, 1024
-    tokens: 23.0 MiB against 32.2 with 512).
+    About CHUNK_BYTES (2 MiB) of fp32 logits, at least MIN_CHUNK (128) tokens (vocab 4096: 128 tokens, 2048:
+    256), but at most MAX_CHUNK_BYTES (48 MiB) of fp32 logits (rounded down to a multiple of CHUNK_MULTIPLE: 96
+    tokens at vocab 128,256, 80 at 151,936, 48 at 256,000; up to vocab 98k the 128-token floor holds), never fewer
+    than FEWEST_TOKENS (32), and, when the weight gradient is computed, at least hidden_size / 2 tokens.
+
+    After checkpointing the chunk is much of the step's peak: it holds the chunk's logits in the compute dtype and
+    one fp32 buffer (1.5x the fp32 bytes under bf16), against, at Llama-3.2-1B's shape (1,024 tokens, LoRA), some
+    60 MiB for everything else; 128 tokens at vocab 128,256 were 63 MiB of fp32 logits and the step's peak
+    (benchmarks/real_shapes.py). The token bounds are time: every chunk reads the whole head weight twice (the
+    logits, the hidden states' gradient), so few tokens per chunk are slow whatever the vocabulary. Measured on
+    CPU (`python -m benchmarks.loss_head --sweep`: 1,024 tokens, hidden 2048, vocab 128,256, bf16 autocast, 2
+    threads), the head's step as x its fastest chunk: a frozen bf16 weight (LoRA) 5.6x at 16 tokens, 1.8x at 32,
+    1.43x at 64, 1.14x at 128, 1.03x at 256; a trained fp32 weight, which also adds a [vocab, hidden] product into
+    the fp32 weight-gradient sum per chunk, 3.2x at 64, 1.97x at 128, 1.39x at 256, 1.13x at 512, 1.0x at 1,024
+    (its chunk is a small part of a full fine-tune's peak: the weight gradient's sum alone is 1 GiB there). At
+    vocab 4096 (2048-4096 tokens) the fastest chunks held 8-64 MiB of fp32 logits (128-512 tokens), and 128 tokens
+    gave the lowest peak of a bf16 Llama LoRA step (16 layers, 1024 tokens: 23.0 MiB against 32.2 with 512).
     """
-    by_bytes = CHUNK_BYTES // (4 * max(1, vocab_size)) // CHUNK_MULTIPLE * CHUNK_MULTIPLE
-    tokens = max(MIN_CHUNK, min(MAX_CHUNK, by_bytes))
+    logit_bytes = 4 * max(1, vocab_size)  # one token's fp32 logits
+    tokens = max(-(-CHUNK_BYTES // logit_bytes // CHUNK_MULTIPLE) * CHUNK_MULTIPLE, MIN_CHUNK)
+    tokens = max(min(tokens, MAX_CHUNK_BYTES // logit_bytes // CHUNK_MULTIPLE * CHUNK_MULTIPLE), FEWEST_TOKENS)
     if weight_grad:
         tokens = max(tokens, -(-(hidden_size // 2) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE)
     return tokens

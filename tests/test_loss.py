@@ -275,7 +275,8 @@ def test_double_backward_and_second_backward_raise():
 def test_default_chunk_size():
     # The rule is bytes at large vocabularies (was: at least 128 tokens whatever the vocabulary, 63 MiB of fp32
     # logits at 128,256 and most of a real-shape LoRA step's peak; benchmarks/real_shapes.py).
-    assert default_chunk_size(4096) == 128 and default_chunk_size(32000) == 128  # the 128-token bound
+    assert default_chunk_size(4096) == 128 and default_chunk_size(2048) == 256  # 2 MiB of fp32 logits
+    assert default_chunk_size(32000) == 128  # the 128-token floor
     assert default_chunk_size(128256) == 96 and default_chunk_size(151936) == 80  # at most 48 MiB of fp32 logits
     assert default_chunk_size(256000) == 48 and default_chunk_size(10**7) == 32  # the 32-token floor
     assert default_chunk_size(128256, 4096, weight_grad=True) == 2048  # hidden / 2 with a weight gradient
