@@ -215,15 +215,17 @@ def test_only_the_enabled_models_head_is_served(kernels):
     assert kernels == {"fastckpt": 1, "trl": 2}
 
 
-@pytest.mark.parametrize("why", ["no kernel in this TRL", "a DTensor head"])
+@pytest.mark.parametrize("why", ["no kernel in this TRL", "a DTensor head", "an fp32 head cast"])
 def test_what_is_not_served_is_reported(monkeypatch, kernels, why):
     model = _model()
-    trl.trainer.utils.add_fused_lm_head(model)
+    if why == "an fp32 head cast":  # fp32 hidden states outside autocast for a bf16 head
+        model.lm_head.to(torch.bfloat16)
+    trl.trainer.utils.add_fused_lm_head(model, cast_lm_head_to_fp32=why == "an fp32 head cast")
     hf.enable(model, **HEAD)
     if why == "no kernel in this TRL":
         monkeypatch.setattr(trl_head, "_KERNEL", "_not_in_this_release")
         assert "_not_in_this_release" not in trl_head.trl_forward(model).__code__.co_names
-    else:  # FSDP2 / tensor parallel: TRL gathers the weight into a new tensor
+    elif why == "a DTensor head":  # FSDP2 / tensor parallel: TRL gathers the weight into a new tensor
         monkeypatch.setattr(trl_head, "_is_dtensor", lambda tensor: tensor is model.lm_head.weight)
     ids = torch.randint(2, VOCAB, (1, 8))
     with pytest.warns(UserWarning, match="TRL's head computes the log-probabilities"):

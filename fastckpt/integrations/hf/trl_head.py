@@ -15,8 +15,8 @@ The replacement dispatches on the head's weight: other models (a reference model
 which runs inside TRL's forward before the kernel is looked up, so the order of `enable` and the trainer's
 construction does not matter. It says so once per model (logging, `fastckpt` logger). A TRL whose patched
 forward does not call that kernel, and a head whose weight is a DTensor (FSDP2, tensor parallel: TRL gathers it
-into a new tensor, which the dispatch does not recognise), are reported with a warning, once: TRL's head
-computes there.
+into a new tensor, which the dispatch does not recognise) and TRL's `cast_lm_head_to_fp32=True` on a head of
+another dtype (fp32 hidden states outside autocast) are reported with a warning, once: TRL's head computes there.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ _TRL_UTILS = "trl.trainer.utils"
 _KERNEL = "_ChunkedLogProbFunction"  # the name TRL's patched forward calls `.apply` on
 _FUSED_FORWARD = "_fused_forward"  # inside add_fused_lm_head
 _SAID = "_fastckpt_trl_said"
+_SAID_MIXED = "_fastckpt_trl_said_mixed"
 _served: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the PreTrainedModels whose head fastckpt serves
 
 
@@ -80,6 +81,19 @@ class _ServedKernel:
         outputs: tuple[str, ...],
     ) -> tuple[torch.Tensor | None, ...]:
         model = next((m for m in list(_served) if m.get_output_embeddings().weight is weight), None)
+        if model is not None and _mixed_dtypes(hidden, weight, bias):
+            # TRL's cast_lm_head_to_fp32=True: fp32 hidden states, autocast off, a bf16 head. TRL casts the weight
+            # a tile at a time; fastckpt's head computes in one dtype, and a cast of the whole weight would cost
+            # its size again.
+            if not model.__dict__.get(_SAID_MIXED):
+                model.__dict__[_SAID_MIXED] = True
+                warnings.warn(
+                    f"fastckpt.integrations.hf: TRL's fused LM head on {type(model).__name__} gets {hidden.dtype} "
+                    f"hidden states for a {weight.dtype} head outside autocast (cast_lm_head_to_fp32=True); TRL's head "
+                    "computes the log-probabilities, fastckpt's loss head does not",
+                    stacklevel=2,
+                )
+            model = None
         if model is None or not loss_head_enabled(model):
             return cls.trl_kernel.apply(
                 hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
@@ -141,6 +155,13 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
         )
 
 
+def _mixed_dtypes(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether the head would compute in more than one dtype (no autocast to cast them to its dtype)."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return False
+    return len({t.dtype for t in (hidden, weight, bias) if t is not None}) > 1
+
+
 def _is_dtensor(tensor: torch.Tensor) -> bool:
     try:
         from torch.distributed.tensor import DTensor
@@ -166,3 +187,4 @@ def stop(model: torch.nn.Module) -> None:
         del model.base_model._forward_pre_hooks[key]
     _served.discard(model)
     model.__dict__.pop(_SAID, None)
+    model.__dict__.pop(_SAID_MIXED, None)
