@@ -85,14 +85,12 @@ class _ServedKernel:
             # TRL's cast_lm_head_to_fp32=True: fp32 hidden states, autocast off, a bf16 head. TRL casts the weight
             # a tile at a time; fastckpt's head computes in one dtype, and a cast of the whole weight would cost
             # its size again.
-            if not model.__dict__.get(_SAID_MIXED):
-                model.__dict__[_SAID_MIXED] = True
-                warnings.warn(
-                    f"fastckpt.integrations.hf: TRL's fused LM head on {type(model).__name__} gets {hidden.dtype} "
-                    f"hidden states for a {weight.dtype} head outside autocast (cast_lm_head_to_fp32=True); TRL's head "
-                    "computes the log-probabilities, fastckpt's loss head does not",
-                    stacklevel=2,
-                )
+            _left_to_trl(
+                model,
+                _SAID_MIXED,
+                f"TRL's fused LM head on {type(model).__name__} gets {hidden.dtype} hidden states for a {weight.dtype} "
+                "head outside autocast (cast_lm_head_to_fp32=True)",
+            )
             model = None
         if model is None or not loss_head_enabled(model):
             return cls.trl_kernel.apply(
@@ -123,24 +121,19 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
         return
     utils = sys.modules.get(_TRL_UTILS)
     if _KERNEL not in forward.__code__.co_names or utils is None or not hasattr(utils, _KERNEL):
-        if not model.__dict__.get(_SAID):
-            model.__dict__[_SAID] = True
-            warnings.warn(
-                f"fastckpt.integrations.hf: TRL's fused LM head on {type(model).__name__} does not call "
-                f"{_TRL_UTILS}.{_KERNEL} in this TRL release; TRL's head computes the log-probabilities, fastckpt's "
-                "loss head does not",
-                stacklevel=3,
-            )
+        _left_to_trl(
+            model,
+            _SAID,
+            f"TRL's fused LM head on {type(model).__name__} does not call {_TRL_UTILS}.{_KERNEL} in this TRL release",
+        )
         return
     if _is_dtensor(model.get_output_embeddings().weight):
-        if not model.__dict__.get(_SAID):
-            model.__dict__[_SAID] = True
-            warnings.warn(
-                f"fastckpt.integrations.hf: {type(model).__name__}.lm_head's weight is a DTensor (FSDP2, tensor "
-                "parallel); TRL gathers it into a new tensor for its head, which fastckpt does not serve: TRL's head "
-                "computes the log-probabilities, fastckpt's loss head does not",
-                stacklevel=3,
-            )
+        _left_to_trl(
+            model,
+            _SAID,
+            f"{type(model).__name__}.lm_head's weight is a DTensor (FSDP2, tensor parallel), which TRL gathers into a "
+            "new tensor for its head",
+        )
         return
     _served.add(model)
     kernel = getattr(utils, _KERNEL)
@@ -152,6 +145,17 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
         _LOG.info(
             "fastckpt: TRL's fused LM head on %s computes through fastckpt.linear_log_probs (loss_head=True)",
             type(model).__name__,
+        )
+
+
+def _left_to_trl(model: torch.nn.Module, said: str, why: str) -> None:
+    """Warn, once per model and case (`said`), that TRL's head computes for it, and why."""
+    if not model.__dict__.get(said):
+        model.__dict__[said] = True
+        warnings.warn(
+            f"fastckpt.integrations.hf: {why}; TRL's head computes the log-probabilities, fastckpt's loss head "
+            "does not",
+            stacklevel=4,
         )
 
 
