@@ -84,8 +84,12 @@ def linear_log_probs(
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"{_NAME}`chunk_size` must be None (the default) or an int >= 1, got {chunk_size!r}")
     trained = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
+    try:
+        compute_dtype = _compute_dtype(hidden, weight, bias)
+    except TypeError as error:  # worded for linear_cross_entropy, whose dtype rule this is
+        raise TypeError(str(error).replace("fastckpt.linear_cross_entropy: ", _NAME)) from None
     head = _Head(
-        compute_dtype=_compute_dtype(hidden, weight, bias),
+        compute_dtype=compute_dtype,
         ignore_index=-1,  # unused: every position is scored
         softcap=None if softcap is None else float(softcap),
         logit_scale=None if logit_scale in (None, 1.0) else float(logit_scale),

@@ -98,3 +98,15 @@ def test_no_grad_computes_no_gradient():
     with torch.no_grad():
         out = linear_log_probs(hidden, torch.randn(V, H), torch.randint(0, V, (8,)), outputs=("entropy",))
     assert not out.log_probs.requires_grad and out.is_top1 is None
+
+
+def test_bad_arguments_are_named():
+    hidden, weight = torch.randn(4, 8), torch.randn(16, 8)
+    with pytest.raises(ValueError, match="`outputs`"):
+        linear_log_probs(hidden, weight, torch.zeros(4, dtype=torch.long), outputs=("logits",))
+    with pytest.raises(ValueError, match="`labels`"):
+        linear_log_probs(hidden, weight, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="`temperature`"):
+        linear_log_probs(hidden, weight, torch.zeros(4, dtype=torch.long), temperature=0.0)
+    with pytest.raises(TypeError, match="linear_log_probs: the head's inputs have different dtypes"):
+        linear_log_probs(hidden, weight.bfloat16(), torch.zeros(4, dtype=torch.long))

@@ -16,7 +16,6 @@ datasets = pytest.importorskip("datasets")
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from fastckpt import log_probs  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
 from fastckpt.integrations.hf import trl_head  # noqa: E402
 
@@ -231,16 +230,6 @@ def test_what_is_not_served_is_reported(monkeypatch, kernels, why):
     with pytest.warns(UserWarning, match="TRL's head computes the log-probabilities"):
         model(input_ids=ids, labels=ids, fused_lm_head=True)
     assert kernels == {"fastckpt": 0, "trl": 1}
-
-
-def test_linear_log_probs_rejects_bad_arguments():
-    hidden, weight = torch.randn(4, 8), torch.randn(16, 8)
-    with pytest.raises(ValueError, match="`outputs`"):
-        log_probs.linear_log_probs(hidden, weight, torch.zeros(4, dtype=torch.long), outputs=("logits",))
-    with pytest.raises(ValueError, match="`labels`"):
-        log_probs.linear_log_probs(hidden, weight, torch.zeros(5, dtype=torch.long))
-    with pytest.raises(ValueError, match="`temperature`"):
-        log_probs.linear_log_probs(hidden, weight, torch.zeros(4, dtype=torch.long), temperature=0.0)
 
 
 def _preferences() -> datasets.Dataset:
