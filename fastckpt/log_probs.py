@@ -139,6 +139,11 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
+def _one_hot_minus(p: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """one_hot(targets) - p, in p's buffer: d log p(target) / dz."""
+    return p.neg_().scatter_add_(1, targets, torch.ones_like(targets, dtype=p.dtype))
+
+
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -178,7 +183,7 @@ class _LinearLogProbs(torch.autograd.Function):
                 if "log_sum_sq_probs" in wanted:
                     out["log_sum_sq_probs"][rows] = _rowdot(p, p).log_()
                 if per_row:  # d log p(label) / dz = one_hot(label) - p
-                    grad_z = p.neg_().scatter_add_(1, targets, torch.ones_like(targets, dtype=p.dtype))
+                    grad_z = _one_hot_minus(p, targets)
                     torch.mm(chunk.logits_gradient(grad_z, head, temperature), weight_c, out=d_rows[rows])
                 del chunk, p
         # hidden is needed again only to recompute: a trained head, or an entropy that may get a gradient
@@ -219,7 +224,7 @@ class _LinearLogProbs(torch.autograd.Function):
                     grad_z = chunk.logp.add_(entropy[rows].unsqueeze(1)).mul_(p).mul_(-grad_entropy[rows].unsqueeze(1))
                 if grad_log_probs is not None:
                     g = grad_log_probs[rows].unsqueeze(1)
-                    one_hot_minus_p = p.neg_().scatter_add_(1, targets, torch.ones_like(targets, dtype=p.dtype))
+                    one_hot_minus_p = _one_hot_minus(p, targets)
                     grad_z = one_hot_minus_p.mul_(g) if grad_z is None else grad_z.addcmul_(one_hot_minus_p, g)
                 grad_logits = chunk.logits_gradient(grad_z, head, temperature)
                 if recomputed is not None:

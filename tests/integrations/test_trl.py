@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 
 from fastckpt.integrations import hf  # noqa: E402
 from fastckpt.integrations.hf import trl_head  # noqa: E402
+from tests.helpers import tiny_decoder_config  # noqa: E402
 
 VOCAB = 96
 LENGTHS = (21, 9, 30, 14, 26, 17, 11, 23)  # one example each; batches of 2 (4 per step with accumulation)
@@ -40,26 +41,14 @@ TRAINING = dict(
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from benchmarks.trl import tokenizer as word_level
 
-    vocab = {f"t{i}": i for i in range(VOCAB)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
+    return word_level(VOCAB)
 
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        attn_implementation="sdpa",
-    )
+    config = tiny_decoder_config("LlamaConfig", VOCAB, max_position_embeddings=256, attn_implementation="sdpa")()
     return transformers.LlamaForCausalLM(config)
 
 
