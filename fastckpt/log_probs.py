@@ -12,9 +12,12 @@ fastckpt.linear_cross_entropy) does not apply as is. Two facts make most of it a
 - the weight's gradient sums over tokens with those incoming factors, so a trained head (or an entropy that
   gets a gradient) recomputes each chunk's logits in backward, one chunk at a time as in the forward.
 
-Per chunk at most the chunk's logits (compute dtype) and two fp32 buffers of the same shape exist (three with a
-soft cap). The logits are transformed as `z = softcap * tanh(logit_scale * logits / softcap) / temperature`
-(each step only where given); the probabilities, entropy and the rest are those of `softmax(z)`, in fp32.
+Per chunk the chunk's logits (compute dtype) and one fp32 buffer of the same shape exist, as in
+linear_cross_entropy (with fp32 logits and no soft cap, one buffer in all): the softmax is made in place, and what
+needs p and log p at once (the entropy, its gradient, the soft cap's derivative) runs over vocabulary slices in
+temporaries of SLICE_BYTES. The logits are transformed as
+`z = softcap * tanh(logit_scale * logits / softcap) / temperature` (each step only where given); the
+probabilities, entropy and the rest are those of `softmax(z)`, in fp32.
 """
 
 from __future__ import annotations
@@ -23,12 +26,12 @@ import math
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from fastckpt.loss import _chunks, _compute_dtype, _Head, _logits, default_chunk_size
 
 _NAME = "fastckpt.linear_log_probs: "
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+SLICE_BYTES = 2 * 2**20  # the fp32 temporaries of the passes over vocabulary slices
 
 
 class TokenLogProbs(NamedTuple):
@@ -103,35 +106,91 @@ def linear_log_probs(
 
 
 class _Chunk:
-    """One chunk's fp32 transformed logits z, log-softmax and softmax; `tanh` kept for the soft cap's
-    derivative."""
+    """One chunk of the head: its logits in the compute dtype (their buffer is reused for the gradient) and one
+    fp32 buffer, which holds `shifted = z - max(z)` per row (log p = shifted - log_sum) until `probs_` turns it
+    into softmax(z). What needs p and log p at once (the entropy, its gradient) is done a vocabulary slice at a
+    time, in temporaries of at most SLICE_BYTES."""
 
-    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: _Head, t: float):
-        self.logits = _logits(hidden, weight, bias, head)  # compute dtype; its buffer is reused for the gradient
-        z = self.logits.float() if self.logits.dtype != torch.float32 else self.logits.clone()
-        self.tanh = None
+    def __init__(
+        self,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        head: _Head,
+        t: float,
+        entropy: bool,
+    ):
+        self.head, self.t = head, t
+        self.logits = _logits(hidden, weight, bias, head)
+        if self.logits.dtype != torch.float32:
+            z = self.logits.float()
+        else:  # the soft cap's derivative reads the logits again
+            z = self.logits if head.softcap is None else self.logits.clone()
         if head.softcap is not None:
-            self.tanh = z.div_(head.softcap).tanh_()
-            z = self.tanh * head.softcap
+            z.div_(head.softcap).tanh_().mul_(head.softcap)
         if t != 1.0:
             z.div_(t)
-        self.z = z
-        self.logp = F.log_softmax(z, dim=1)
+        self.top = z.amax(dim=1, keepdim=True)
+        self.shifted = z.sub_(self.top)
+        sums = torch.zeros_like(self.top)
+        dots = torch.zeros_like(self.top) if entropy else None  # sum exp(shifted) * shifted
+        for cols in _slices(z):
+            e = z[:, cols].exp()
+            sums += e.sum(dim=1, keepdim=True)
+            if dots is not None:
+                dots += e.mul_(z[:, cols]).sum(dim=1, keepdim=True)
+            del e  # before the next slice's
+        # -sum p log p = log_sum - sum(e * shifted) / sum(e)
+        self.entropy = None if dots is None else (sums.log() - dots.div_(sums)).squeeze(1)
+        self.log_sum = sums.log_()
 
-    def probs(self) -> torch.Tensor:
-        """softmax(z), into z's buffer (z is not needed after)."""
-        return torch.exp(self.logp, out=self.z)
+    def log_probs(self, targets: torch.Tensor) -> torch.Tensor:
+        return (self.shifted.gather(1, targets) - self.log_sum).squeeze(1)
 
-    def logits_gradient(self, grad_z: torch.Tensor, head: _Head, t: float) -> torch.Tensor:
-        """d(loss)/d(logits) in the compute dtype, from d(loss)/dz (whose buffer is used up)."""
-        if t != 1.0:
-            grad_z.div_(t)
-        if self.tanh is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2
-            grad_z.addcmul_(grad_z, self.tanh.square_(), value=-1)
+    def probs_(self) -> torch.Tensor:
+        """softmax(z), in the buffer (shifted is gone after)."""
+        return self.shifted.sub_(self.log_sum).exp_()
+
+    def entropy_gradient_(
+        self,
+        targets: torch.Tensor,
+        grad_log_probs: torch.Tensor | None,
+        grad_entropy: torch.Tensor,
+        entropy: torch.Tensor,
+    ) -> torch.Tensor:
+        """d(loss)/dz = g_lp * (one_hot - p) - g_ent * p * (log p + entropy), in the buffer (shifted is gone
+        after)."""
+        g_lp = torch.zeros_like(self.top) if grad_log_probs is None else grad_log_probs.unsqueeze(1)
+        g_ent, entropy = grad_entropy.unsqueeze(1), entropy.unsqueeze(1)
+        z = self.shifted
+        for cols in _slices(z):
+            log_p = z[:, cols].sub_(self.log_sum)  # a view: what follows is written into the buffer
+            p = log_p.exp()
+            log_p.add_(entropy).mul_(g_ent).add_(g_lp).mul_(p).neg_()  # -p * (g_lp + g_ent * (log p + entropy))
+            del p
+        return z.scatter_add_(1, targets, g_lp)
+
+    def logits_gradient(self, grad_z: torch.Tensor) -> torch.Tensor:
+        """d(loss)/d(logits) in the compute dtype, into the logits' buffer, from d(loss)/dz (used up)."""
+        head = self.head
+        if self.t != 1.0:
+            grad_z.div_(self.t)
+        if head.softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, tanh again from the logits
+            for cols in _slices(grad_z):
+                tanh = self.logits[:, cols].float().div_(head.softcap).tanh_()
+                grad_z[:, cols].addcmul_(grad_z[:, cols], tanh.square_(), value=-1)
+                del tanh
         grad = grad_z if self.logits.dtype == torch.float32 else self.logits.copy_(grad_z)
         if head.logit_scale is not None:
             grad.mul_(head.logit_scale)
         return grad
+
+
+def _slices(buffer: torch.Tensor) -> list[slice]:
+    """Vocabulary columns of `buffer` [tokens, V] in pieces whose fp32 temporaries hold at most SLICE_BYTES."""
+    rows, columns = buffer.shape
+    width = max(1, SLICE_BYTES // (4 * max(1, rows)))
+    return [slice(start, min(start + width, columns)) for start in range(0, columns, width)]
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -171,21 +230,22 @@ class _LinearLogProbs(torch.autograd.Function):
             for start in _chunks(n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
-                chunk = _Chunk(hidden_c[rows], weight_c, bias_c, head, temperature)
-                out["log_probs"][rows] = chunk.logp.gather(1, targets).squeeze(1)
+                chunk = _Chunk(hidden_c[rows], weight_c, bias_c, head, temperature, "entropy" in wanted)
+                out["log_probs"][rows] = chunk.log_probs(targets)
                 if "is_top1" in wanted:
-                    out["is_top1"][rows] = chunk.z.argmax(dim=1) == targets.squeeze(1)
+                    out["is_top1"][rows] = chunk.shifted.argmax(dim=1) == targets.squeeze(1)
                 if "mean_logits" in wanted:
-                    out["mean_logits"][rows] = chunk.z.mean(dim=1)
-                p = chunk.probs()
+                    out["mean_logits"][rows] = chunk.shifted.mean(dim=1) + chunk.top.squeeze(1)
                 if "entropy" in wanted:
-                    out["entropy"][rows] = -_rowdot(p, chunk.logp)
-                if "log_sum_sq_probs" in wanted:
-                    out["log_sum_sq_probs"][rows] = _rowdot(p, p).log_()
-                if per_row:  # d log p(label) / dz = one_hot(label) - p
-                    grad_z = _one_hot_minus(p, targets)
-                    torch.mm(chunk.logits_gradient(grad_z, head, temperature), weight_c, out=d_rows[rows])
-                del chunk, p
+                    out["entropy"][rows] = chunk.entropy
+                if "log_sum_sq_probs" in wanted or per_row:
+                    p = chunk.probs_()
+                    if "log_sum_sq_probs" in wanted:
+                        out["log_sum_sq_probs"][rows] = _rowdot(p, p).log_()
+                    if per_row:  # d log p(label) / dz = one_hot(label) - p
+                        torch.mm(chunk.logits_gradient(_one_hot_minus(p, targets)), weight_c, out=d_rows[rows])
+                    del p  # the chunk's buffer: freed before the next chunk's
+                del chunk
         # hidden is needed again only to recompute: a trained head, or an entropy that may get a gradient
         recompute = not per_row or "entropy" in wanted
         ctx.save_for_backward(hidden if recompute else None, weight, bias, labels, out.get("entropy"))
@@ -217,16 +277,13 @@ class _LinearLogProbs(torch.autograd.Function):
             for start in _chunks(n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
-                chunk = _Chunk(hidden_c[rows], weight_c, bias_c, head, temperature)
-                p = chunk.probs()
-                grad_z = None
-                if grad_entropy is not None:  # into the log-softmax's buffer
-                    grad_z = chunk.logp.add_(entropy[rows].unsqueeze(1)).mul_(p).mul_(-grad_entropy[rows].unsqueeze(1))
-                if grad_log_probs is not None:
-                    g = grad_log_probs[rows].unsqueeze(1)
-                    one_hot_minus_p = _one_hot_minus(p, targets)
-                    grad_z = one_hot_minus_p.mul_(g) if grad_z is None else grad_z.addcmul_(one_hot_minus_p, g)
-                grad_logits = chunk.logits_gradient(grad_z, head, temperature)
+                chunk = _Chunk(hidden_c[rows], weight_c, bias_c, head, temperature, entropy=False)
+                g = None if grad_log_probs is None else grad_log_probs[rows]
+                if grad_entropy is not None:
+                    grad_z = chunk.entropy_gradient_(targets, g, grad_entropy[rows], entropy[rows])
+                else:
+                    grad_z = _one_hot_minus(chunk.probs_(), targets).mul_(g.unsqueeze(1))
+                grad_logits = chunk.logits_gradient(grad_z)
                 if recomputed is not None:
                     torch.mm(grad_logits, weight_c, out=recomputed[rows])
                 if grad_weight is not None:  # summed over chunks in fp32, as linear_cross_entropy's
@@ -236,7 +293,7 @@ class _LinearLogProbs(torch.autograd.Function):
                         grad_weight += grad_logits.T @ hidden_c[rows]
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
-                del chunk, p, grad_z, grad_logits
+                del chunk, grad_z, grad_logits
         if recomputed is not None:
             recomputed = recomputed.to(hidden.dtype)
             grad_hidden = recomputed if grad_hidden is None else grad_hidden.add_(recomputed)

@@ -8,7 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastckpt import linear_log_probs
+from fastckpt import linear_log_probs, log_probs
+from fastckpt.memory import peak_bytes
 
 V, H = 101, 16
 
@@ -33,7 +34,10 @@ def _reference(hidden, weight, bias, labels, temperature, softcap, scale):
 @pytest.mark.parametrize("trained", [False, True], ids=["frozen", "trained"])
 @pytest.mark.parametrize("transform", [None, (0.7, 30.0, 0.5)], ids=["plain", "temperature-softcap-scale"])
 @pytest.mark.parametrize("entropy_grad", [False, True], ids=["logp-grad", "logp-entropy-grad"])
-def test_matches_the_full_logits(trained, transform, entropy_grad):
+@pytest.mark.parametrize("sliced", [False, True], ids=["one-slice", "slices"])
+def test_matches_the_full_logits(monkeypatch, trained, transform, entropy_grad, sliced):
+    if sliced:  # the passes over vocabulary slices in pieces of 7 columns (101 = 14 x 7 + 3) for 10-token chunks
+        monkeypatch.setattr(log_probs, "SLICE_BYTES", 4 * 10 * 7)
     torch.manual_seed(0)
     temperature, softcap, scale = transform or (1.0, None, None)
     hidden = torch.randn(2, 37, H, requires_grad=True)
@@ -91,6 +95,27 @@ def test_bf16_autocast_is_as_close_as_the_full_logits_in_bf16():
         log_probs.sum().backward()
         grads.append(hidden.grad)
     assert (grads[1] - grads[0]).norm() / grads[0].norm() < 1e-2
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_one_fp32_buffer_per_chunk(softcap):
+    """A chunk's working memory is its logits in the compute dtype and one fp32 buffer (the softmax in place; the
+    entropy, its gradient and the soft cap's derivative over vocabulary slices), in the forward and in backward's
+    recomputation: not the two or three fp32 buffers of a log-softmax beside its input."""
+    tokens, chunk, vocab, hidden_size = 256, 64, 32768, 32
+    hidden = torch.randn(tokens, hidden_size, requires_grad=True)
+    weight, labels = torch.randn(vocab, hidden_size), torch.randint(0, vocab, (tokens,))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = linear_log_probs(hidden, weight, labels, softcap=softcap, chunk_size=chunk, outputs=("entropy",))
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+
+    peak = peak_bytes(step)
+    fp32_chunk = chunk * vocab * 4
+    others = vocab * hidden_size * 2 + 4 * tokens * hidden_size * 4  # the bf16 weight; rows, gradients and outputs
+    one_buffer = fp32_chunk // 2 + fp32_chunk + log_probs.SLICE_BYTES + others
+    assert peak <= one_buffer < fp32_chunk // 2 + 2 * fp32_chunk, (peak, one_buffer)
 
 
 def test_no_grad_computes_no_gradient():

@@ -221,14 +221,18 @@ def test_what_is_not_served_is_reported(monkeypatch, kernels, why):
     assert kernels == {"fastckpt": 0, "trl": 1}
 
 
+def _words(generator: torch.Generator, n: int) -> str:
+    """n words of the test's tokenizer, each followed by a space (one before the EOS TRL appends)."""
+    return "".join(f"t{i} " for i in torch.randint(2, VOCAB, (n,), generator=generator).tolist())
+
+
 def _preferences() -> datasets.Dataset:
     generator = torch.Generator().manual_seed(2)
-
-    def text(n: int) -> str:  # words of the test's tokenizer; a space before TRL appends its EOS
-        return "".join(f"t{i} " for i in torch.randint(2, VOCAB, (n,), generator=generator).tolist())
-
     return datasets.Dataset.from_list(
-        [{"prompt": text(p), "chosen": text(c), "rejected": text(r)} for p, c, r in ((7, 9, 5), (4, 12, 8))]
+        [
+            {"prompt": _words(generator, p), "chosen": _words(generator, c), "rejected": _words(generator, r)}
+            for p, c, r in ((7, 9, 5), (4, 12, 8))
+        ]
     )
 
 
@@ -252,8 +256,68 @@ def test_dpo_trainer(tokenizer, kernels):
     kernels.update(fastckpt=0, trl=0)
     head = _train_dpo(tokenizer, HEAD)
     assert kernels["fastckpt"] > 0 and kernels["trl"] > 0  # the reference model keeps TRL's kernel
-    assert [sorted(e) for e in head] == [sorted(e) for e in reference]
-    for got, want in zip(head, reference, strict=True):
+    _assert_same_metrics(head, reference)
+
+
+def _unpaired() -> datasets.Dataset:
+    generator = torch.Generator().manual_seed(3)
+    lengths = ((5, 9, True), (3, 6, False), (8, 4, True), (4, 11, False))
+    return datasets.Dataset.from_list(
+        [{"prompt": _words(generator, p), "completion": _words(generator, c), "label": k} for p, c, k in lengths]
+    )
+
+
+def _prompts() -> datasets.Dataset:
+    generator = torch.Generator().manual_seed(4)
+    return datasets.Dataset.from_list([{"prompt": _words(generator, n)} for n in (6, 9, 4, 7)])
+
+
+def _completion_words(completions: list[str], **_: object) -> list[float]:
+    """GRPO's reward: the completion's length in characters (differs within a group, so advantages are not 0)."""
+    return [float(len(c)) for c in completions]
+
+
+def _train_kto_or_grpo(tokenizer, setup: dict | None, trainer_name: str) -> list[dict]:
+    model = _model()
+    if setup is not None:
+        hf.enable(model, **setup)
+    if trainer_name == "kto":  # a reference model, and the KL term's mismatched pairs
+        config = trl.KTOConfig(**TRAINING, bf16=False)
+        trainer = trl.KTOTrainer(
+            model=model, ref_model=_model(), args=config, train_dataset=_unpaired(), processing_class=tokenizer
+        )
+    else:  # sampled completions, TRL's temperature in the head, the entropy logged
+        config = trl.GRPOConfig(**TRAINING, bf16=False, num_generations=2, max_completion_length=6, temperature=0.7)
+        trainer = trl.GRPOTrainer(
+            model=model,
+            reward_funcs=_completion_words,
+            args=config,
+            train_dataset=_prompts(),
+            processing_class=tokenizer,
+        )
+    trainer.train()
+    return [entry for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("trainer_name", ["kto", "grpo"])
+def test_kto_and_grpo_trainers(tokenizer, kernels, trainer_name):
+    """KTO and GRPO build their losses from the same fused forward: with the loss head on, the trained model's
+    per-token log-probabilities (GRPO's at its sampling temperature) are fastckpt's, the metrics TRL's."""
+    reference = _train_kto_or_grpo(tokenizer, None, trainer_name)
+    assert kernels["fastckpt"] == 0 and kernels["trl"] > 0
+    kernels.update(fastckpt=0, trl=0)
+    head = _train_kto_or_grpo(tokenizer, HEAD, trainer_name)
+    assert kernels["fastckpt"] > 0
+    # KTO's reference model keeps TRL's kernel; GRPO has none (beta = 0)
+    assert (kernels["trl"] > 0) == (trainer_name == "kto")
+    _assert_same_metrics(head, reference)
+
+
+def _assert_same_metrics(got_logs: list[dict], want_logs: list[dict]) -> None:
+    """The same metrics logged at each step, every number within 1e-3 (the summation order differs); timings
+    aside."""
+    assert [sorted(e) for e in got_logs] == [sorted(e) for e in want_logs]
+    for got, want in zip(got_logs, want_logs, strict=True):
         for key, value in want.items():
-            if isinstance(value, float) and key not in ("train_runtime", "learning_rate", "epoch"):
+            if isinstance(value, float) and key not in ("learning_rate", "epoch") and "time" not in key:
                 assert got[key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
