@@ -40,7 +40,8 @@ def median_times(
 
     Configurations alternate within each round, so drift (other processes, clock, memory state) hits
     all of them alike. A step that raises is dropped from the later rounds and reported; the others
-    go on. `tick` is called after every call (a progress bar).
+    go on. `tick` is called after every call (a progress bar). On CPU a line says when other processes took
+    CPU time meanwhile (`OtherProcesses`).
     """
     failed: dict[str, str] = {}
 
@@ -64,16 +65,64 @@ def median_times(
             else:
                 call(name, step)
     samples: dict[str, list[float]] = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            if name in failed:
-                tick()
-                continue
-            seconds = call(name, step)
-            if seconds is not None:
-                samples[name].append(seconds)
+    with OtherProcesses() as others:
+        for _ in range(rounds):
+            for name, step in steps.items():
+                if name in failed:
+                    tick()
+                    continue
+                seconds = call(name, step)
+                if seconds is not None:
+                    samples[name].append(seconds)
+    if device.type == "cpu" and others.note():
+        print(others.note(), flush=True)
     times = {name: statistics.median(values) for name, values in samples.items() if values and name not in failed}
     return times, failed
+
+
+class OtherProcesses:
+    """The CPU time that other processes took while the block ran, in cores on average (`cores`; None where
+    /proc/stat is missing): the machine's busy time less this process's. On a 2-core machine a torch process
+    runs 2 threads, so another busy process makes every step 2-30x slower, by amounts that differ from step to
+    step, and time ratios measured then are noise."""
+
+    NOISY = 0.25  # cores: above this, say so beside the times
+
+    def __init__(self) -> None:
+        self.cores: float | None = None
+
+    def __enter__(self) -> OtherProcesses:
+        self._start = (time.perf_counter(), time.process_time(), _busy_cpu_seconds())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        wall, own, busy = time.perf_counter(), time.process_time(), _busy_cpu_seconds()
+        if busy is not None and self._start[2] is not None and wall > self._start[0]:
+            others = (busy - self._start[2]) - (own - self._start[1])
+            self.cores = max(0.0, others / (wall - self._start[0]))
+
+    def note(self) -> str | None:
+        """A line for the table, when other processes took more than NOISY cores."""
+        if self.cores is None or self.cores <= self.NOISY:
+            return None
+        return (
+            f"(timing: other processes used {self.cores:.1f} of this machine's {os.cpu_count()} cores meanwhile; "
+            "the times and their ratios are noisy, rerun on an idle machine)"
+        )
+
+
+def _busy_cpu_seconds() -> float | None:
+    """Seconds of CPU time every core of the machine spent busy since boot (Linux: /proc/stat), else None."""
+    try:
+        with open("/proc/stat") as stat:
+            lines = stat.read().splitlines()
+        fields = [int(x) for x in lines[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    if sum(re.match(r"cpu\d", line) is not None for line in lines) != os.cpu_count():
+        return None  # a container that sees the host's cores: their time is not this machine's
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 # The profiler's own lines on fd 2: a C++ log prefix ("USDT:2026-...", "ERROR:2026-...", "[W1201 ...")

@@ -9,6 +9,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -18,7 +19,15 @@ from benchmarks import offload as offload_bench
 from benchmarks.__main__ import main as bench_main
 from benchmarks.__main__ import parse_args
 from benchmarks.checkpoint import STOCK, Config, Skipped, configs, measure_workload, rows_of
-from benchmarks.harness import error_line, finish, is_profiler_noise, median_times, peak_bytes, quiet_profiler_logs
+from benchmarks.harness import (
+    OtherProcesses,
+    error_line,
+    finish,
+    is_profiler_noise,
+    median_times,
+    peak_bytes,
+    quiet_profiler_logs,
+)
 from benchmarks.ops import _with_baseline
 from benchmarks.workloads import WORKLOAD_NAMES, workloads
 from tests.helpers import needs_in_graph_storage
@@ -155,6 +164,19 @@ def test_median_times_drops_a_failing_step_and_keeps_the_others():
     times, failed = median_times({"ok": lambda: None, "bad": fails_second_time}, CPU, 1, 3, lambda: ticks.append(1))
     assert set(times) == {"ok"} and failed == {"bad": "KeyError: 'second'"}
     assert len(ticks) == 2 * (1 + 3)  # one tick per planned call, failed or not: the bar ends full
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/stat"), reason="Linux: /proc/stat")
+def test_median_times_says_when_another_process_took_the_cpu(capsys, monkeypatch):
+    """Another busy process during the timed rounds: a line says the times are noisy (what made this 2-core
+    machine's time ratios wander by 2-30x)."""
+    monkeypatch.setattr(OtherProcesses, "NOISY", 0.1)
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 1.5: pass"])
+    try:
+        median_times({"sleep": lambda: time.sleep(0.4)}, CPU, 0, 3)
+    finally:
+        busy.wait()
+    assert "other processes used" in capsys.readouterr().out
 
 
 def test_failures_are_printed_rows_written_then_exit(capsys, tmp_path):

@@ -277,7 +277,7 @@ def _completion_words(completions: list[str], **_: object) -> list[float]:
     return [float(len(c)) for c in completions]
 
 
-def _train_kto_or_grpo(tokenizer, setup: dict | None, trainer_name: str) -> list[dict]:
+def _train_kto_or_rl(tokenizer, setup: dict | None, trainer_name: str) -> list[dict]:
     model = _model()
     if setup is not None:
         hf.enable(model, **setup)
@@ -287,8 +287,13 @@ def _train_kto_or_grpo(tokenizer, setup: dict | None, trainer_name: str) -> list
             model=model, ref_model=_model(), args=config, train_dataset=_unpaired(), processing_class=tokenizer
         )
     else:  # sampled completions, TRL's temperature in the head, the entropy logged
-        config = trl.GRPOConfig(**TRAINING, bf16=False, num_generations=2, max_completion_length=6, temperature=0.7)
-        trainer = trl.GRPOTrainer(
+        config_class, trainer_class = (
+            (trl.GRPOConfig, trl.GRPOTrainer) if trainer_name == "grpo" else (trl.RLOOConfig, trl.RLOOTrainer)
+        )
+        config = config_class(  # beta 0: no reference model (RLOO would load one from the hub)
+            **TRAINING, bf16=False, num_generations=2, max_completion_length=6, temperature=0.7, beta=0.0
+        )
+        trainer = trainer_class(
             model=model,
             reward_funcs=_completion_words,
             args=config,
@@ -299,16 +304,17 @@ def _train_kto_or_grpo(tokenizer, setup: dict | None, trainer_name: str) -> list
     return [entry for entry in trainer.state.log_history if "loss" in entry]
 
 
-@pytest.mark.parametrize("trainer_name", ["kto", "grpo"])
-def test_kto_and_grpo_trainers(tokenizer, kernels, trainer_name):
-    """KTO and GRPO build their losses from the same fused forward: with the loss head on, the trained model's
-    per-token log-probabilities (GRPO's at its sampling temperature) are fastckpt's, the metrics TRL's."""
-    reference = _train_kto_or_grpo(tokenizer, None, trainer_name)
+@pytest.mark.parametrize("trainer_name", ["kto", "grpo", "rloo"])
+def test_kto_grpo_and_rloo_trainers(tokenizer, kernels, trainer_name):
+    """KTO, GRPO and RLOO build their losses from the same fused forward: with the loss head on, the trained
+    model's per-token log-probabilities (GRPO's and RLOO's at their sampling temperature) are fastckpt's, the
+    metrics TRL's."""
+    reference = _train_kto_or_rl(tokenizer, None, trainer_name)
     assert kernels["fastckpt"] == 0 and kernels["trl"] > 0
     kernels.update(fastckpt=0, trl=0)
-    head = _train_kto_or_grpo(tokenizer, HEAD, trainer_name)
+    head = _train_kto_or_rl(tokenizer, HEAD, trainer_name)
     assert kernels["fastckpt"] > 0
-    # KTO's reference model keeps TRL's kernel; GRPO has none (beta = 0)
+    # KTO's reference model keeps TRL's kernel; GRPO and RLOO have none (beta = 0)
     assert (kernels["trl"] > 0) == (trainer_name == "kto")
     _assert_same_metrics(head, reference)
 
