@@ -12,26 +12,36 @@ fastckpt.linear_cross_entropy) does not apply as is. Two facts make most of it a
 - the weight's gradient sums over tokens with those incoming factors, so a trained head (or an entropy that
   gets a gradient) recomputes each chunk's logits in backward, one chunk at a time as in the forward.
 
-Per chunk the chunk's logits (compute dtype) and one fp32 buffer of the same shape exist, as in
-linear_cross_entropy (with fp32 logits and no soft cap, one buffer in all): the softmax is made in place, and what
-needs p and log p at once (the entropy, its gradient, the soft cap's derivative) runs over vocabulary slices in
-temporaries of SLICE_BYTES. The logits are transformed as
-`z = softcap * tanh(logit_scale * logits / softcap) / temperature` (each step only where given); the
-probabilities, entropy and the rest are those of `softmax(z)`, in fp32.
+Per chunk its logits in the compute dtype are the only [tokens, vocab] buffer, as in linear_cross_entropy
+(fastckpt.loss): the normaliser, the entropy and the rest, and the gradient run over vocabulary slices in fp32
+temporaries of fastckpt.loss.SLICE_BYTES, the gradient written back into the logits' buffer. The logits are
+transformed as `z = softcap * tanh(logit_scale * logits / softcap) / temperature` (each step only where given);
+the probabilities, entropy and the rest are those of `softmax(z)`, in fp32.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
-from fastckpt.loss import _chunks, _compute_dtype, _Head, _logits, default_chunk_size
+from fastckpt.loss import (
+    _add_at_targets_,
+    _chunks,
+    _compute_dtype,
+    _gradient_into_logits_,
+    _Head,
+    _logits,
+    _normaliser,
+    _softmax_minus_one_hot,
+    _z,
+    default_chunk_size,
+)
 
 _NAME = "fastckpt.linear_log_probs: "
 OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-SLICE_BYTES = 2 * 2**20  # the fp32 temporaries of the passes over vocabulary slices
 
 
 class TokenLogProbs(NamedTuple):
@@ -105,92 +115,26 @@ def linear_log_probs(
     return TokenLogProbs(*(None if r is None else r.view(labels.shape) for r in results))
 
 
-class _Chunk:
-    """One chunk of the head: its logits in the compute dtype (their buffer is reused for the gradient) and one
-    fp32 buffer, which holds `shifted = z - max(z)` per row (log p = shifted - log_sum) until `probs_` turns it
-    into softmax(z). What needs p and log p at once (the entropy, its gradient) is done a vocabulary slice at a
-    time, in temporaries of at most SLICE_BYTES."""
+class _Statistics:
+    """What `linear_log_probs` reads off a chunk's softmax besides the log-probabilities, summed per row over the
+    vocabulary slices `_normaliser` passes (`shifted` = z - max z, `e` = exp(shifted))."""
 
-    def __init__(
-        self,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        head: _Head,
-        t: float,
-        entropy: bool,
-    ):
-        self.head, self.t = head, t
-        self.logits = _logits(hidden, weight, bias, head)
-        if self.logits.dtype != torch.float32:
-            z = self.logits.float()
-        else:  # the soft cap's derivative reads the logits again
-            z = self.logits if head.softcap is None else self.logits.clone()
-        if head.softcap is not None:
-            z.div_(head.softcap).tanh_().mul_(head.softcap)
-        if t != 1.0:
-            z.div_(t)
-        self.top = z.amax(dim=1, keepdim=True)
-        self.shifted = z.sub_(self.top)
-        sums = torch.zeros_like(self.top)
-        dots = torch.zeros_like(self.top) if entropy else None  # sum exp(shifted) * shifted
-        for cols in _slices(z):
-            e = z[:, cols].exp()
-            sums += e.sum(dim=1, keepdim=True)
-            if dots is not None:
-                dots += e.mul_(z[:, cols]).sum(dim=1, keepdim=True)
-            del e  # before the next slice's
-        # -sum p log p = log_sum - sum(e * shifted) / sum(e)
-        self.entropy = None if dots is None else (sums.log() - dots.div_(sums)).squeeze(1)
-        self.log_sum = sums.log_()
+    def __init__(self, wanted: frozenset[str], rows: int, device: torch.device) -> None:
+        def zeros() -> torch.Tensor:
+            return torch.zeros(rows, 1, dtype=torch.float32, device=device)
 
-    def log_probs(self, targets: torch.Tensor) -> torch.Tensor:
-        return (self.shifted.gather(1, targets) - self.log_sum).squeeze(1)
+        self.e_shifted = zeros() if "entropy" in wanted else None  # sum e * shifted
+        self.e_squared = zeros() if "log_sum_sq_probs" in wanted else None  # sum e^2
+        self.shifted = zeros() if "mean_logits" in wanted else None  # sum shifted
+        self.needed = any(x is not None for x in (self.e_shifted, self.e_squared, self.shifted))
 
-    def probs_(self) -> torch.Tensor:
-        """softmax(z), in the buffer (shifted is gone after)."""
-        return self.shifted.sub_(self.log_sum).exp_()
-
-    def entropy_gradient_(
-        self,
-        targets: torch.Tensor,
-        grad_log_probs: torch.Tensor | None,
-        grad_entropy: torch.Tensor,
-        entropy: torch.Tensor,
-    ) -> torch.Tensor:
-        """d(loss)/dz = g_lp * (one_hot - p) - g_ent * p * (log p + entropy), in the buffer (shifted is gone
-        after)."""
-        g_lp = torch.zeros_like(self.top) if grad_log_probs is None else grad_log_probs.unsqueeze(1)
-        g_ent, entropy = grad_entropy.unsqueeze(1), entropy.unsqueeze(1)
-        z = self.shifted
-        for cols in _slices(z):
-            log_p = z[:, cols].sub_(self.log_sum)  # a view: what follows is written into the buffer
-            p = log_p.exp()
-            log_p.add_(entropy).mul_(g_ent).add_(g_lp).mul_(p).neg_()  # -p * (g_lp + g_ent * (log p + entropy))
-            del p
-        return z.scatter_add_(1, targets, g_lp)
-
-    def logits_gradient(self, grad_z: torch.Tensor) -> torch.Tensor:
-        """d(loss)/d(logits) in the compute dtype, into the logits' buffer, from d(loss)/dz (used up)."""
-        head = self.head
-        if self.t != 1.0:
-            grad_z.div_(self.t)
-        if head.softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, tanh again from the logits
-            for cols in _slices(grad_z):
-                tanh = self.logits[:, cols].float().div_(head.softcap).tanh_()
-                grad_z[:, cols].addcmul_(grad_z[:, cols], tanh.square_(), value=-1)
-                del tanh
-        grad = grad_z if self.logits.dtype == torch.float32 else self.logits.copy_(grad_z)
-        if head.logit_scale is not None:
-            grad.mul_(head.logit_scale)
-        return grad
-
-
-def _slices(buffer: torch.Tensor) -> list[slice]:
-    """Vocabulary columns of `buffer` [tokens, V] in pieces whose fp32 temporaries hold at most SLICE_BYTES."""
-    rows, columns = buffer.shape
-    width = max(1, SLICE_BYTES // (4 * max(1, rows)))
-    return [slice(start, min(start + width, columns)) for start in range(0, columns, width)]
+    def each(self, shifted: torch.Tensor, e: torch.Tensor) -> None:
+        if self.shifted is not None:
+            self.shifted += shifted.sum(dim=1, keepdim=True)
+        if self.e_squared is not None:
+            self.e_squared += _rowdot(e, e).unsqueeze(1)
+        if self.e_shifted is not None:
+            self.e_shifted += _rowdot(e, shifted).unsqueeze(1)
 
 
 def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -198,9 +142,25 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.bmm(a.unsqueeze(1), b.unsqueeze(2)).view(-1)
 
 
-def _one_hot_minus(p: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """one_hot(targets) - p, in p's buffer: d log p(target) / dz."""
-    return p.neg_().scatter_add_(1, targets, torch.ones_like(targets, dtype=p.dtype))
+def _times(dz: Callable, factor: torch.Tensor) -> Callable:
+    """`dz` (of `_gradient_into_logits_`) scaled per row."""
+    return lambda cols, z: dz(cols, z).mul_(factor)
+
+
+def _with_entropy(
+    lse: torch.Tensor, targets: torch.Tensor, g_lp: torch.Tensor | None, g_ent: torch.Tensor, entropy: torch.Tensor
+) -> Callable:
+    """dz of g_lp * log p(label) + g_ent * entropy: g_lp * (one_hot - p) - g_ent * p * (log p + entropy)."""
+    g_lp = torch.zeros_like(lse) if g_lp is None else g_lp
+
+    def dz(cols: slice, z: torch.Tensor) -> torch.Tensor:
+        log_p = z.sub_(lse)
+        p = log_p.exp()
+        grad = log_p.add_(entropy).mul_(g_ent).add_(g_lp).mul_(p).neg_()  # -p * (g_lp + g_ent * (log p + H))
+        _add_at_targets_(grad, cols, targets, g_lp)
+        return grad
+
+    return dz
 
 
 class _LinearLogProbs(torch.autograd.Function):
@@ -230,22 +190,23 @@ class _LinearLogProbs(torch.autograd.Function):
             for start in _chunks(n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
-                chunk = _Chunk(hidden_c[rows], weight_c, bias_c, head, temperature, "entropy" in wanted)
-                out["log_probs"][rows] = chunk.log_probs(targets)
-                if "is_top1" in wanted:
-                    out["is_top1"][rows] = chunk.shifted.argmax(dim=1) == targets.squeeze(1)
+                logits = _logits(hidden_c[rows], weight_c, bias_c, head)
+                stats = _Statistics(wanted, stop - start, device)
+                top, log_sum = _normaliser(logits, head, temperature, stats.each if stats.needed else None)
+                lse = top + log_sum
+                out["log_probs"][rows] = (_z(logits.gather(1, targets), head, temperature) - lse).squeeze(1)
+                if "is_top1" in wanted:  # the transform is increasing: z's argmax is the logits'
+                    out["is_top1"][rows] = logits.argmax(dim=1) == targets.squeeze(1)
                 if "mean_logits" in wanted:
-                    out["mean_logits"][rows] = chunk.shifted.mean(dim=1) + chunk.top.squeeze(1)
-                if "entropy" in wanted:
-                    out["entropy"][rows] = chunk.entropy
-                if "log_sum_sq_probs" in wanted or per_row:
-                    p = chunk.probs_()
-                    if "log_sum_sq_probs" in wanted:
-                        out["log_sum_sq_probs"][rows] = _rowdot(p, p).log_()
-                    if per_row:  # d log p(label) / dz = one_hot(label) - p
-                        torch.mm(chunk.logits_gradient(_one_hot_minus(p, targets)), weight_c, out=d_rows[rows])
-                    del p  # the chunk's buffer: freed before the next chunk's
-                del chunk
+                    out["mean_logits"][rows] = (stats.shifted / logits.shape[1] + top).squeeze(1)
+                if "entropy" in wanted:  # -sum p log p = log_sum - sum(e * shifted) / sum(e)
+                    out["entropy"][rows] = (log_sum - stats.e_shifted * torch.exp(-log_sum)).squeeze(1)
+                if "log_sum_sq_probs" in wanted:  # sum p^2 = sum e^2 / sum(e)^2
+                    out["log_sum_sq_probs"][rows] = (stats.e_squared.log() - 2 * log_sum).squeeze(1)
+                if per_row:  # (p - one_hot(label)) @ weight = -(d log p(label) / d hidden): negated in backward
+                    _gradient_into_logits_(logits, head, temperature, _softmax_minus_one_hot(lse, targets))
+                    torch.mm(logits, weight_c, out=d_rows[rows])
+                del logits, lse  # before the next chunk's
         # hidden is needed again only to recompute: a trained head, or an entropy that may get a gradient
         recompute = not per_row or "entropy" in wanted
         ctx.save_for_backward(hidden if recompute else None, weight, bias, labels, out.get("entropy"))
@@ -262,7 +223,7 @@ class _LinearLogProbs(torch.autograd.Function):
         head, temperature, d_rows = ctx.head, ctx.temperature, ctx.d_rows
         grad_hidden = None
         if d_rows is not None and grad_log_probs is not None:
-            grad_hidden = (d_rows.float() * grad_log_probs.unsqueeze(1)).to(ctx.hidden_dtype)
+            grad_hidden = (d_rows.float() * grad_log_probs.neg().unsqueeze(1)).to(ctx.hidden_dtype)
             grad_log_probs = None  # accounted for
         if grad_log_probs is None and grad_entropy is None:
             return grad_hidden, None, None, None, None, None, None
@@ -277,13 +238,15 @@ class _LinearLogProbs(torch.autograd.Function):
             for start in _chunks(n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
-                chunk = _Chunk(hidden_c[rows], weight_c, bias_c, head, temperature, entropy=False)
-                g = None if grad_log_probs is None else grad_log_probs[rows]
-                if grad_entropy is not None:
-                    grad_z = chunk.entropy_gradient_(targets, g, grad_entropy[rows], entropy[rows])
+                logits = _logits(hidden_c[rows], weight_c, bias_c, head)
+                top, log_sum = _normaliser(logits, head, temperature)
+                lse = top.add_(log_sum)
+                g = None if grad_log_probs is None else grad_log_probs[rows].unsqueeze(1)
+                if grad_entropy is None:
+                    dz = _times(_softmax_minus_one_hot(lse, targets), -g)
                 else:
-                    grad_z = _one_hot_minus(chunk.probs_(), targets).mul_(g.unsqueeze(1))
-                grad_logits = chunk.logits_gradient(grad_z)
+                    dz = _with_entropy(lse, targets, g, grad_entropy[rows].unsqueeze(1), entropy[rows].unsqueeze(1))
+                grad_logits = _gradient_into_logits_(logits, head, temperature, dz)
                 if recomputed is not None:
                     torch.mm(grad_logits, weight_c, out=recomputed[rows])
                 if grad_weight is not None:  # summed over chunks in fp32, as linear_cross_entropy's
@@ -293,7 +256,7 @@ class _LinearLogProbs(torch.autograd.Function):
                         grad_weight += grad_logits.T @ hidden_c[rows]
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
-                del chunk, grad_z, grad_logits
+                del logits, lse, grad_logits
         if recomputed is not None:
             recomputed = recomputed.to(hidden.dtype)
             grad_hidden = recomputed if grad_hidden is None else grad_hidden.add_(recomputed)

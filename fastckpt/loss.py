@@ -16,6 +16,7 @@ before the two gradient matmuls, the weight gradient accumulated over chunks in 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,12 +24,14 @@ import torch
 import torch.nn.functional as F
 
 _NAME = "fastckpt.linear_cross_entropy: "
-# The default chunk (default_chunk_size says why): about CHUNK_BYTES of fp32 logits and at least MIN_CHUNK tokens,
-# but at most MAX_CHUNK_BYTES of fp32 logits and never fewer than FEWEST_TOKENS; when the weight gradient is
-# computed at least hidden_size / 2 tokens; a multiple of CHUNK_MULTIPLE tokens.
+# The default chunk (default_chunk_size says why): about CHUNK_BYTES of fp32 logits and at least MIN_CHUNK tokens
+# (FAST_CHUNK where MIN_CHUNK's are more than CHUNK_BYTES), but at most MAX_CHUNK_BYTES of bf16 logits (the
+# chunk's one [tokens, vocab] buffer) and never fewer than FEWEST_TOKENS; when the weight gradient is computed at
+# least hidden_size / 2 tokens; a multiple of CHUNK_MULTIPLE tokens.
 CHUNK_BYTES = 2 * 2**20
 MIN_CHUNK = 128
-MAX_CHUNK_BYTES = 48 * 2**20
+FAST_CHUNK = 256
+MAX_CHUNK_BYTES = 64 * 2**20
 FEWEST_TOKENS = 32
 CHUNK_MULTIPLE = 16
 
@@ -37,26 +40,30 @@ def default_chunk_size(vocab_size: int, hidden_size: int = 0, weight_grad: bool 
     """Tokens per chunk when `chunk_size` is not given.
 
     About CHUNK_BYTES (2 MiB) of fp32 logits, at least MIN_CHUNK (128) tokens (vocab 4096: 128 tokens, 2048:
-    256), but at most MAX_CHUNK_BYTES (48 MiB) of fp32 logits (rounded down to a multiple of CHUNK_MULTIPLE: 96
-    tokens at vocab 128,256, 80 at 151,936, 48 at 256,000; up to vocab 98k the 128-token floor holds), never fewer
-    than FEWEST_TOKENS (32), and, when the weight gradient is computed, at least hidden_size / 2 tokens.
+    256), and FAST_CHUNK (256) where MIN_CHUNK's tokens hold more than CHUNK_BYTES (vocab 32,000: 256), but at
+    most MAX_CHUNK_BYTES (64 MiB) of the logits in bf16 (rounded down to a multiple of CHUNK_MULTIPLE: 256 tokens
+    at vocab 128,256, 208 at 151,936, 128 at 256,000), never fewer than FEWEST_TOKENS (32), and, when the weight
+    gradient is computed, at least hidden_size / 2 tokens.
 
-    After checkpointing the chunk is much of the step's peak: it holds the chunk's logits in the compute dtype and
-    one fp32 buffer (1.5x the fp32 bytes under bf16), against, at Llama-3.2-1B's shape (1,024 tokens, LoRA), some
-    60 MiB for everything else; 128 tokens at vocab 128,256 were 63 MiB of fp32 logits and the step's peak
-    (benchmarks/real_shapes.py). The token bounds are time: every chunk reads the whole head weight twice (the
-    logits, the hidden states' gradient), so few tokens per chunk are slow whatever the vocabulary. Measured on
-    CPU (`python -m benchmarks.loss_head --sweep`: 1,024 tokens, hidden 2048, vocab 128,256, bf16 autocast, 2
-    threads), the head's step as x its fastest chunk: a frozen bf16 weight (LoRA) 5.6x at 16 tokens, 1.8x at 32,
-    1.43x at 64, 1.14x at 128, 1.03x at 256; a trained fp32 weight, which also adds a [vocab, hidden] product into
-    the fp32 weight-gradient sum per chunk, 3.2x at 64, 1.97x at 128, 1.39x at 256, 1.13x at 512, 1.0x at 1,024
-    (its chunk is a small part of a full fine-tune's peak: the weight gradient's sum alone is 1 GiB there). At
-    vocab 4096 (2048-4096 tokens) the fastest chunks held 8-64 MiB of fp32 logits (128-512 tokens), and 128 tokens
-    gave the lowest peak of a bf16 Llama LoRA step (16 layers, 1024 tokens: 23.0 MiB against 32.2 with 512).
+    After checkpointing the chunk is much of the step's peak: its logits in the compute dtype are its one
+    [tokens, vocab] buffer (the softmax runs over vocabulary slices in fp32 temporaries of SLICE_BYTES), against,
+    at Llama-3.2-1B's shape (1,024 tokens, LoRA), some 60 MiB for everything else. The token bounds are time:
+    every chunk reads the whole head weight twice (the logits, the hidden states' gradient), so few tokens per
+    chunk are slow whatever the vocabulary. Measured on CPU (`python -m benchmarks.loss_head --sweep`: 1,024
+    tokens, hidden 2048, vocab 128,256, bf16 autocast, 2 threads; with a fp32 copy of each chunk's logits, before
+    the slices), the head's step as x its fastest chunk: a frozen bf16 weight (LoRA) 5.6x at 16 tokens, 1.8x at
+    32, 1.43x at 64, 1.14x at 128, 1.03x at 256; a trained fp32 weight, which also adds a [vocab, hidden] product
+    into the fp32 weight-gradient sum per chunk, 3.2x at 64, 1.97x at 128, 1.39x at 256, 1.13x at 512, 1.0x at
+    1,024 (its chunk is a small part of a full fine-tune's peak: the weight gradient's sum alone is 1 GiB there).
+    At vocab 4096 (2048-4096 tokens) the fastest chunks held 8-64 MiB of fp32 logits (128-512 tokens), and 128
+    tokens gave the lowest peak of a bf16 Llama LoRA step (16 layers, 1024 tokens: 23.0 MiB against 32.2 with 512).
     """
-    logit_bytes = 4 * max(1, vocab_size)  # one token's fp32 logits
-    tokens = max(-(-CHUNK_BYTES // logit_bytes // CHUNK_MULTIPLE) * CHUNK_MULTIPLE, MIN_CHUNK)
-    tokens = max(min(tokens, MAX_CHUNK_BYTES // logit_bytes // CHUNK_MULTIPLE * CHUNK_MULTIPLE), FEWEST_TOKENS)
+    vocab_size = max(1, vocab_size)
+    tokens = max(-(-CHUNK_BYTES // (4 * vocab_size) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE, MIN_CHUNK)
+    capped = MAX_CHUNK_BYTES // (2 * vocab_size) // CHUNK_MULTIPLE * CHUNK_MULTIPLE  # bf16 logits
+    if tokens * 4 * vocab_size > CHUNK_BYTES:  # a large vocabulary: fewer reads of its large weight
+        tokens = max(tokens, min(capped, FAST_CHUNK))
+    tokens = max(min(tokens, capped), FEWEST_TOKENS)
     if weight_grad:
         tokens = max(tokens, -(-(hidden_size // 2) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE)
     return tokens
@@ -252,6 +259,90 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return logits
 
 
+# A chunk's softmax runs over slices of its vocabulary, in fp32 temporaries of about SLICE_BYTES: the chunk's
+# logits stay in the compute dtype, the only [tokens, vocab] buffer (no fp32 copy of them), so a chunk of a given
+# size in bytes holds three times the tokens under bf16, and every chunk reads the head's weight once per matmul.
+SLICE_BYTES = 8 * 2**20
+
+
+def _slices(logits: torch.Tensor) -> list[slice]:
+    rows, columns = logits.shape
+    width = max(1, SLICE_BYTES // (4 * max(1, rows)))
+    return [slice(start, min(start + width, columns)) for start in range(0, columns, width)]
+
+
+def _z(logits: torch.Tensor, head: _Head, temperature: float = 1.0) -> torch.Tensor:
+    """The transformed logits `softcap * tanh(logits / softcap) / temperature` of a slice, a new fp32 tensor."""
+    z = logits.to(torch.float32, copy=True)
+    if head.softcap is not None:
+        z.div_(head.softcap).tanh_().mul_(head.softcap)
+    if temperature != 1.0:
+        z.div_(temperature)
+    return z
+
+
+def _normaliser(
+    logits: torch.Tensor,
+    head: _Head,
+    temperature: float = 1.0,
+    each: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row `top = max(z)` and `log_sum = log(sum(exp(z - top)))` ([rows, 1] fp32; log softmax = z - top -
+    log_sum), a vocabulary slice at a time; `each(shifted, e)` is given every slice's `z - top` and its exp."""
+    top = _z(logits.amax(dim=1, keepdim=True), head, temperature)  # the transform is increasing
+    sums = torch.zeros_like(top)
+    for cols in _slices(logits):
+        shifted = _z(logits[:, cols], head, temperature).sub_(top)
+        e = shifted.exp()
+        sums += e.sum(dim=1, keepdim=True)
+        if each is not None:
+            each(shifted, e)
+        del shifted, e  # before the next slice's
+    return top, sums.log_()
+
+
+def _add_at_targets_(grad: torch.Tensor, cols: slice, targets: torch.Tensor, values: torch.Tensor) -> None:
+    """grad[row, targets[row] - cols.start] += values[row] for the rows whose target is in the slice `cols`."""
+    inside = (targets >= cols.start) & (targets < cols.stop)
+    index = (targets - cols.start).clamp_(0, grad.shape[1] - 1)
+    grad.scatter_add_(1, index, torch.where(inside, values, 0.0))
+
+
+def _gradient_into_logits_(
+    logits: torch.Tensor,
+    head: _Head,
+    temperature: float,
+    dz: Callable[[slice, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """d(loss)/d(logits) into the logits' own buffer, a vocabulary slice at a time: `dz(cols, z)` is d(loss)/dz
+    for the slice's transformed logits z (fp32; it may return z's buffer); then the transform's derivative."""
+    for cols in _slices(logits):
+        grad = dz(cols, _z(logits[:, cols], head, temperature))
+        if temperature != 1.0:
+            grad.div_(temperature)
+        if head.softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, tanh from the logits
+            tanh = logits[:, cols].to(torch.float32, copy=True).div_(head.softcap).tanh_()
+            grad.addcmul_(grad, tanh.square_(), value=-1)
+            del tanh
+        logits[:, cols] = grad
+        del grad
+    if head.logit_scale is not None:
+        logits.mul_(head.logit_scale)
+    return logits
+
+
+def _softmax_minus_one_hot(lse: torch.Tensor, targets: torch.Tensor) -> Callable[[slice, torch.Tensor], torch.Tensor]:
+    """dz for `_gradient_into_logits_` of -log softmax(z)[target]: softmax(z) - one_hot(target)."""
+    minus_one = torch.full_like(lse, -1.0)
+
+    def dz(cols: slice, z: torch.Tensor) -> torch.Tensor:
+        p = z.sub_(lse).exp_()
+        _add_at_targets_(p, cols, targets, minus_one)
+        return p
+
+    return dz
+
+
 def _loss_only(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, head: _Head
 ) -> torch.Tensor:
@@ -259,12 +350,15 @@ def _loss_only(
     dtype = head.compute_dtype
     weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    counts = labels != head.ignore_index
+    targets = torch.where(counts, labels, 0).unsqueeze(1)
     for start in _chunks(hidden.shape[0], head.chunk_size):
         stop = start + head.chunk_size
-        logits = _logits(hidden[start:stop].to(dtype), weight, bias, head).float()
-        if head.softcap is not None:
-            logits = logits.div_(head.softcap).tanh_().mul_(head.softcap)
-        total += F.cross_entropy(logits, labels[start:stop], ignore_index=head.ignore_index, reduction="sum")
+        logits = _logits(hidden[start:stop].to(dtype), weight, bias, head)
+        top, log_sum = _normaliser(logits, head)
+        target_logp = _z(logits.gather(1, targets[start:stop]), head).sub_(top).sub_(log_sum)
+        total -= torch.where(counts[start:stop].unsqueeze(1), target_logp, 0.0).sum()
+        del logits
     return total
 
 
@@ -328,9 +422,10 @@ def _fused(
 ) -> tuple[torch.Tensor, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]:
     """The summed loss and its gradients with respect to hidden, weight and bias (None where not needed).
 
-    Per chunk: logits -> their fp32 copy, in which the log-softmax at the targets is read and the gradient made
-    in place (softmax, minus one at the targets, times the soft cap's derivative) -> cast into the logits' buffer
-    -> the two gradient matmuls: one fp32 buffer of the chunk's logits (two with a soft cap: the tanh is kept).
+    Per chunk: logits (compute dtype) -> the log-softmax's normaliser over vocabulary slices, the log-softmax at
+    the targets -> the gradient (softmax, minus one at the targets, times the soft cap's derivative), slice by
+    slice in fp32 and cast into the logits' buffer -> the two gradient matmuls: the logits are the chunk's only
+    [tokens, vocab] buffer.
     Ignored tokens are zeroed in the [tokens, hidden] operands (their hidden rows, their hidden-gradient rows),
     not in the [tokens, vocab] gradient. What is per token and not per logit is prepared once for all chunks, so
     a chunk is a dozen calls. The uniform factor 1 / divisor is applied in backward, with grad_output."""
@@ -343,7 +438,6 @@ def _fused(
     targets = torch.where(counts, labels, 0).unsqueeze(1)
     keep = counts.unsqueeze(1).to(dtype)
     kept_hidden = hidden_c * keep if needs_weight else None  # ignored tokens add nothing to the weight gradient
-    minus_one = torch.full((min(size, n), 1), -1.0, dtype=torch.float32, device=device)
     target_logp = torch.empty(n, 1, dtype=torch.float32, device=device)
     accumulate = torch.promote_types(weight.dtype, torch.float32)  # the weight gradient's sum over chunks
     grad_hidden = torch.empty(n, hidden.shape[1], dtype=dtype, device=device) if needs_hidden else None
@@ -352,31 +446,11 @@ def _fused(
     for start in _chunks(n, size):
         stop = min(start + size, n)
         logits = _logits(hidden_c[start:stop], weight_c, bias_c, head)
-        tanh = None
-        if head.softcap is None:
-            grad = logits.float()  # the chunk's one fp32 buffer (fp32 logits: the same buffer, not needed again)
-        else:
-            tanh = logits.float()  # likewise
-            tanh.div_(head.softcap).tanh_()
-            grad = tanh * head.softcap
-        # The fp32 log-softmax at the targets and the softmax, in place in that buffer (no log-softmax output
-        # beside it): shift by the row's max, exponentiate, divide by the row's sum.
-        grad.sub_(grad.amax(dim=1, keepdim=True))
-        shifted = grad.gather(1, targets[start:stop])
-        sums = grad.exp_().sum(dim=1, keepdim=True)
-        torch.sub(shifted, sums.log(), out=target_logp[start:stop])
-        grad.div_(sums)
-        grad.scatter_add_(1, targets[start:stop], minus_one[: stop - start])  # softmax - one_hot: the gradient
-        if tanh is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
-            grad.addcmul_(grad, tanh.square_(), value=-1)
-            del tanh
-        if grad.dtype == dtype:
-            grad_logits = grad
-        else:  # back to the logits' dtype, as the .float() upcast's backward casts, into the logits' buffer
-            grad_logits = logits.copy_(grad)
-        del grad
-        if head.logit_scale is not None:
-            grad_logits.mul_(head.logit_scale)
+        chunk_targets = targets[start:stop]
+        top, log_sum = _normaliser(logits, head)
+        lse = top.add_(log_sum)  # log-sum-exp of z
+        torch.sub(_z(logits.gather(1, chunk_targets), head), lse, out=target_logp[start:stop])
+        grad_logits = _gradient_into_logits_(logits, head, 1.0, _softmax_minus_one_hot(lse, chunk_targets))
         if grad_hidden is not None:
             torch.mm(grad_logits, weight_c, out=grad_hidden[start:stop])
         if grad_weight is not None:
@@ -386,7 +460,7 @@ def _fused(
                 grad_weight += grad_logits.T @ kept_hidden[start:stop]
         if grad_bias is not None:
             grad_bias += keep[start:stop].T @ grad_logits
-        del grad_logits, logits
+        del grad_logits, logits, lse
     total = -torch.where(counts.unsqueeze(1), target_logp, 0).sum()
     if grad_hidden is not None:
         grad_hidden.mul_(keep)

@@ -273,19 +273,20 @@ def test_double_backward_and_second_backward_raise():
 
 
 def test_default_chunk_size():
-    # The rule is bytes at large vocabularies (was: at least 128 tokens whatever the vocabulary, 63 MiB of fp32
-    # logits at 128,256 and most of a real-shape LoRA step's peak; benchmarks/real_shapes.py).
+    # The rule is bytes at large vocabularies: at most 64 MiB of the chunk's logits in bf16, its one [tokens,
+    # vocab] buffer (was 48 MiB of fp32 logits with an fp32 copy beside the logits; before, 128 tokens whatever
+    # the vocabulary, most of a real-shape LoRA step's peak; benchmarks/real_shapes.py).
     assert default_chunk_size(4096) == 128 and default_chunk_size(2048) == 256  # 2 MiB of fp32 logits
-    assert default_chunk_size(32000) == 128  # the 128-token floor
-    assert default_chunk_size(128256) == 96 and default_chunk_size(151936) == 80  # at most 48 MiB of fp32 logits
-    assert default_chunk_size(256000) == 48 and default_chunk_size(10**7) == 32  # the 32-token floor
+    assert default_chunk_size(32000) == 256  # a large vocabulary: 256 tokens (fewer reads of the weight)
+    assert default_chunk_size(128256) == 256 and default_chunk_size(151936) == 208  # at most 64 MiB of bf16 logits
+    assert default_chunk_size(256000) == 128 and default_chunk_size(10**7) == 32  # the 32-token floor
     assert default_chunk_size(128256, 4096, weight_grad=True) == 2048  # hidden / 2 with a weight gradient
-    assert default_chunk_size(128256, 4096, weight_grad=False) == 96
+    assert default_chunk_size(128256, 4096, weight_grad=False) == 256
     assert default_chunk_size(151936, 3584, weight_grad=True) == 1792
     assert all(
         default_chunk_size(v, h, t) % 16 == 0 for v in (7, 1000, 50257, 262144) for h in (10, 100, 1000) for t in (0, 1)
     )
-    assert all(default_chunk_size(v) * v * 4 <= 48 * 2**20 for v in (4096, 128256, 151936, 256000))
+    assert all(default_chunk_size(v) * v * 2 <= 64 * 2**20 for v in (4096, 128256, 151936, 256000))
 
 
 @pytest.mark.parametrize("autocast", [False, True])
