@@ -317,15 +317,16 @@ def _gradient_into_logits_(
     """d(loss)/d(logits) into the logits' own buffer, a vocabulary slice at a time: `dz(cols, z)` is d(loss)/dz
     for the slice's transformed logits z (fp32; it may return z's buffer); then the transform's derivative."""
     for cols in _slices(logits):
-        grad = dz(cols, _z(logits[:, cols], head, temperature))
+        z = _z(logits[:, cols], head, temperature)
+        # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, and tanh = z * temperature / cap (before dz may reuse z)
+        tanh_squared = None if head.softcap is None else (z * (temperature / head.softcap)).square_()
+        grad = dz(cols, z)
         if temperature != 1.0:
             grad.div_(temperature)
-        if head.softcap is not None:  # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, tanh from the logits
-            tanh = logits[:, cols].to(torch.float32, copy=True).div_(head.softcap).tanh_()
-            grad.addcmul_(grad, tanh.square_(), value=-1)
-            del tanh
+        if tanh_squared is not None:
+            grad.addcmul_(grad, tanh_squared, value=-1)
         logits[:, cols] = grad
-        del grad
+        del z, grad, tanh_squared
     if head.logit_scale is not None:
         logits.mul_(head.logit_scale)
     return logits
