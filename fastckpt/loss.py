@@ -5,7 +5,11 @@ fine-tune three times over (the head's output, its fp32 upcast, the log-softmax 
 gradient: after activation checkpointing that is the peak of the step. Here the tokens go through the head
 a chunk at a time, and the gradients with respect to `hidden`, `weight` and `bias` are computed chunk by
 chunk in the forward itself (a fused linear cross entropy): at most one chunk's logits exist at a time,
-nothing is recomputed, and backward only scales the stored gradients by the loss's incoming gradient.
+nothing is recomputed, and backward only scales the stored gradients by the loss's incoming gradient. Within a
+chunk the logits stay in the compute dtype, its one [tokens, vocab] buffer: the softmax's normaliser and the
+gradient are computed over slices of the vocabulary in fp32 temporaries (SLICE_BYTES), the gradient written
+back into the logits' buffer, so that the chunk can hold three times the tokens of one with a fp32 copy and
+read the head's weight three times less often.
 
 The dtype flow is autograd's for `F.linear(hidden, weight, bias).float()` + `F.cross_entropy`, so results
 equal Hugging Face's `ForCausalLMLoss` up to summation order: the matmuls in the autocast dtype (or the
