@@ -265,11 +265,12 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 # A chunk's softmax runs over slices of its vocabulary, in fp32 temporaries of about SLICE_BYTES: the chunk's
 # logits stay in the compute dtype, the only [tokens, vocab] buffer (no fp32 copy of them), so a chunk of a given
-# size in bytes holds three times the tokens under bf16, and every chunk reads the head's weight once per matmul.
+# size in bytes holds three times the tokens under bf16, and the head's weight is read three times less often.
 SLICE_BYTES = 8 * 2**20
 
 
 def _slices(logits: torch.Tensor) -> list[slice]:
+    """The vocabulary columns of a chunk's logits in pieces whose fp32 copies hold about SLICE_BYTES."""
     rows, columns = logits.shape
     width = max(1, SLICE_BYTES // (4 * max(1, rows)))
     return [slice(start, min(start + width, columns)) for start in range(0, columns, width)]
