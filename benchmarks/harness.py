@@ -74,8 +74,9 @@ def median_times(
                 seconds = call(name, step)
                 if seconds is not None:
                     samples[name].append(seconds)
-    if device.type == "cpu" and others.note():
-        print(others.note(), flush=True)
+    note = others.note()
+    if device.type == "cpu" and note:
+        print(note, flush=True)
     times = {name: statistics.median(values) for name, values in samples.items() if values and name not in failed}
     return times, failed
 

@@ -187,6 +187,10 @@ class _LinearLogProbs(torch.autograd.Function):
             if "is_top1" in wanted:
                 out["is_top1"] = torch.empty(n, dtype=torch.bool, device=device)
             d_rows = torch.empty(n, hidden.shape[1], dtype=dtype, device=device) if per_row else None
+            # hidden is needed again only to recompute: a trained head, or an entropy that may get a gradient; the
+            # recomputation reuses each token's log-sum-exp rather than a second pass over the vocabulary
+            recompute = not per_row or "entropy" in wanted
+            saved_lse = torch.empty(n, 1, dtype=torch.float32, device=device) if recompute else None
             for start in _chunks(n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
@@ -194,6 +198,8 @@ class _LinearLogProbs(torch.autograd.Function):
                 stats = _Statistics(wanted, stop - start, device)
                 top, log_sum = _normaliser(logits, head, temperature, stats.each if stats.needed else None)
                 lse = top + log_sum
+                if saved_lse is not None:
+                    saved_lse[rows] = lse
                 out["log_probs"][rows] = (_z(logits.gather(1, targets), head, temperature) - lse).squeeze(1)
                 if "is_top1" in wanted:  # the transform is increasing: z's argmax is the logits'
                     out["is_top1"][rows] = logits.argmax(dim=1) == targets.squeeze(1)
@@ -207,9 +213,7 @@ class _LinearLogProbs(torch.autograd.Function):
                     _gradient_into_logits_(logits, head, temperature, _softmax_minus_one_hot(lse, targets))
                     torch.mm(logits, weight_c, out=d_rows[rows])
                 del logits, lse  # before the next chunk's
-        # hidden is needed again only to recompute: a trained head, or an entropy that may get a gradient
-        recompute = not per_row or "entropy" in wanted
-        ctx.save_for_backward(hidden if recompute else None, weight, bias, labels, out.get("entropy"))
+        ctx.save_for_backward(hidden if recompute else None, weight, bias, labels, out.get("entropy"), saved_lse)
         ctx.d_rows, ctx.head, ctx.temperature, ctx.hidden_dtype = d_rows, head, temperature, hidden.dtype
         ctx.mark_non_differentiable(
             *(out[name] for name in ("log_sum_sq_probs", "mean_logits", "is_top1") if name in out)
@@ -218,7 +222,7 @@ class _LinearLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: Any):
-        hidden, weight, bias, labels, entropy = ctx.saved_tensors
+        hidden, weight, bias, labels, entropy, saved_lse = ctx.saved_tensors
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         head, temperature, d_rows = ctx.head, ctx.temperature, ctx.d_rows
         grad_hidden = None
@@ -238,9 +242,7 @@ class _LinearLogProbs(torch.autograd.Function):
             for start in _chunks(n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
-                logits = _logits(hidden_c[rows], weight_c, bias_c, head)
-                top, log_sum = _normaliser(logits, head, temperature)
-                lse = top.add_(log_sum)
+                logits, lse = _logits(hidden_c[rows], weight_c, bias_c, head), saved_lse[rows]
                 g = None if grad_log_probs is None else grad_log_probs[rows].unsqueeze(1)
                 if grad_entropy is None:
                     dz = _times(_softmax_minus_one_hot(lse, targets), -g)
