@@ -29,7 +29,6 @@ import torch
 
 from fastckpt.loss import (
     _add_at_targets_,
-    _chunks,
     _compute_dtype,
     _gradient_into_logits_,
     _Head,
@@ -191,7 +190,7 @@ class _LinearLogProbs(torch.autograd.Function):
             # recomputation reuses each token's log-sum-exp rather than a second pass over the vocabulary
             recompute = not per_row or "entropy" in wanted
             saved_lse = torch.empty(n, 1, dtype=torch.float32, device=device) if recompute else None
-            for start in _chunks(n, head.chunk_size):
+            for start in range(0, n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
                 logits = _logits(hidden_c[rows], weight_c, bias_c, head)
@@ -239,7 +238,7 @@ class _LinearLogProbs(torch.autograd.Function):
             recomputed = torch.empty(n, hidden.shape[1], dtype=dtype, device=device) if needs_hidden else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if needs_weight else None
             grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if needs_bias else None
-            for start in _chunks(n, head.chunk_size):
+            for start in range(0, n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
                 logits, lse = _logits(hidden_c[rows], weight_c, bias_c, head), saved_lse[rows]

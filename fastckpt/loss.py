@@ -251,8 +251,15 @@ def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     return hidden.dtype
 
 
-def _chunks(n: int, size: int) -> range:
-    return range(0, n, size)
+def _chunk_rows(labels: torch.Tensor, head: _Head) -> list[slice | torch.Tensor]:
+    """The rows of each chunk. Only tokens that count go through the head: ignored ones (padding, prompts under a
+    completion-only loss, each sequence's last position) cost no head work. Slices while every token counts, else
+    index tensors into the counted tokens (counting them is one host sync)."""
+    counted = (labels != head.ignore_index).nonzero().squeeze(1)
+    n, size = labels.numel(), head.chunk_size
+    if counted.numel() == n:
+        return [slice(start, min(start + size, n)) for start in range(0, n, size)]
+    return list(counted.split(size)) if counted.numel() else []  # (an empty tensor splits into one empty piece)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: _Head) -> torch.Tensor:
@@ -356,14 +363,10 @@ def _loss_only(
     dtype = head.compute_dtype
     weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    counts = labels != head.ignore_index
-    targets = torch.where(counts, labels, 0).unsqueeze(1)
-    for start in _chunks(hidden.shape[0], head.chunk_size):
-        stop = start + head.chunk_size
-        logits = _logits(hidden[start:stop].to(dtype), weight, bias, head)
+    for rows in _chunk_rows(labels, head):
+        logits = _logits(hidden[rows].to(dtype), weight, bias, head)
         top, log_sum = _normaliser(logits, head)
-        target_logp = _z(logits.gather(1, targets[start:stop]), head).sub_(top).sub_(log_sum)
-        total -= torch.where(counts[start:stop].unsqueeze(1), target_logp, 0.0).sum()
+        total -= _z(logits.gather(1, labels[rows].unsqueeze(1)), head).sub_(top).sub_(log_sum).sum()
         del logits
     return total
 
@@ -432,46 +435,44 @@ def _fused(
     the targets -> the gradient (softmax, minus one at the targets, times the soft cap's derivative), slice by
     slice in fp32 and cast into the logits' buffer -> the two gradient matmuls: the logits are the chunk's only
     [tokens, vocab] buffer.
-    Ignored tokens are zeroed in the [tokens, hidden] operands (their hidden rows, their hidden-gradient rows),
-    not in the [tokens, vocab] gradient. What is per token and not per logit is prepared once for all chunks, so
-    a chunk is a dozen calls. The uniform factor 1 / divisor is applied in backward, with grad_output."""
+    Only the tokens that count go through the head (`_chunk_rows`); an ignored token's hidden gradient is 0. What
+    is per token and not per logit is prepared once for all chunks, so a chunk is a dozen calls. The uniform factor
+    1 / divisor is applied in backward, with grad_output."""
     dtype, device = head.compute_dtype, hidden.device
-    n, size = hidden.shape[0], head.chunk_size
     weight_c = weight.to(dtype)
     bias_c = None if bias is None else bias.to(dtype)
-    hidden_c = hidden.to(dtype)
-    counts = labels != head.ignore_index
-    targets = torch.where(counts, labels, 0).unsqueeze(1)
-    keep = counts.unsqueeze(1).to(dtype)
-    kept_hidden = hidden_c * keep if needs_weight else None  # ignored tokens add nothing to the weight gradient
-    target_logp = torch.empty(n, 1, dtype=torch.float32, device=device)
     accumulate = torch.promote_types(weight.dtype, torch.float32)  # the weight gradient's sum over chunks
-    grad_hidden = torch.empty(n, hidden.shape[1], dtype=dtype, device=device) if needs_hidden else None
+    chunks = _chunk_rows(labels, head)
+    every_token = bool(chunks) and isinstance(chunks[0], slice)
+    grad_hidden = None
+    if needs_hidden:  # rows of ignored tokens are never written
+        grad_hidden = (torch.empty if every_token else torch.zeros)(hidden.shape, dtype=dtype, device=device)
     grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=device) if needs_weight else None
-    grad_bias = torch.zeros(1, weight.shape[0], dtype=accumulate, device=device) if needs_bias else None
-    for start in _chunks(n, size):
-        stop = min(start + size, n)
-        logits = _logits(hidden_c[start:stop], weight_c, bias_c, head)
-        chunk_targets = targets[start:stop]
+    grad_bias = torch.zeros(weight.shape[0], dtype=accumulate, device=device) if needs_bias else None
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for rows in chunks:
+        hidden_c = hidden[rows].to(dtype)  # a slice of hidden in its dtype is a view, no copy
+        targets = labels[rows].unsqueeze(1)
+        logits = _logits(hidden_c, weight_c, bias_c, head)
         top, log_sum = _normaliser(logits, head)
         lse = top.add_(log_sum)  # log-sum-exp of z
-        torch.sub(_z(logits.gather(1, chunk_targets), head), lse, out=target_logp[start:stop])
-        grad_logits = _gradient_into_logits_(logits, head, 1.0, _softmax_minus_one_hot(lse, chunk_targets))
+        total -= _z(logits.gather(1, targets), head).sub_(lse).sum()
+        grad_logits = _gradient_into_logits_(logits, head, 1.0, _softmax_minus_one_hot(lse, targets))
         if grad_hidden is not None:
-            torch.mm(grad_logits, weight_c, out=grad_hidden[start:stop])
+            if isinstance(rows, slice):
+                torch.mm(grad_logits, weight_c, out=grad_hidden[rows])
+            else:
+                grad_hidden.index_copy_(0, rows, grad_logits @ weight_c)
         if grad_weight is not None:
             if grad_weight.dtype == dtype:
-                grad_weight.addmm_(grad_logits.T, kept_hidden[start:stop])
+                grad_weight.addmm_(grad_logits.T, hidden_c)
             else:
-                grad_weight += grad_logits.T @ kept_hidden[start:stop]
+                grad_weight += grad_logits.T @ hidden_c
         if grad_bias is not None:
-            grad_bias += keep[start:stop].T @ grad_logits
-        del grad_logits, logits, lse
-    total = -torch.where(counts.unsqueeze(1), target_logp, 0).sum()
-    if grad_hidden is not None:
-        grad_hidden.mul_(keep)
+            grad_bias += grad_logits.sum(dim=0, dtype=accumulate)
+        del grad_logits, logits, lse, hidden_c
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     if grad_bias is not None:
-        grad_bias = grad_bias.squeeze(0).to(bias.dtype)
+        grad_bias = grad_bias.to(bias.dtype)
     return total, (grad_hidden, grad_weight, grad_bias)

@@ -207,10 +207,13 @@ def test_frozen_weight_does_no_weight_gradient_work(autocast):
     weight.requires_grad_(False)  # LoRA: the head frozen
     ours = run(fastckpt.linear_cross_entropy, hidden, weight, None, labels, autocast=autocast, chunk_size=10)
     assert_same(ours, run(reference, hidden, weight, None, labels, autocast=autocast), bf16=autocast)
-    # 5 chunks: the logits and the hidden gradient, nothing for the weight
-    assert _matmuls(lambda: run(fastckpt.linear_cross_entropy, hidden, weight, None, labels, chunk_size=10)) == 10
+    # the 40 counted tokens of 50 (ignored ones skip the head) in 4 chunks: the logits and the hidden gradient,
+    # nothing for the weight
+    assert _matmuls(lambda: run(fastckpt.linear_cross_entropy, hidden, weight, None, labels, chunk_size=10)) == 8
     weight.requires_grad_(True)
-    assert _matmuls(lambda: run(fastckpt.linear_cross_entropy, hidden, weight, None, labels, chunk_size=10)) == 15
+    assert _matmuls(lambda: run(fastckpt.linear_cross_entropy, hidden, weight, None, labels, chunk_size=10)) == 12
+    labels[:] = -100  # nothing counts: no head work at all
+    assert _matmuls(lambda: run(fastckpt.linear_cross_entropy, hidden, weight, None, labels, chunk_size=10)) == 0
 
 
 def test_hidden_without_grad():
@@ -257,8 +260,8 @@ def test_no_grad_computes_the_loss_only(autocast):
         expected = reference(hidden, weight, labels, bias=bias, softcap=3.0)
     assert loss.grad_fn is None and not loss.requires_grad
     torch.testing.assert_close(loss, expected, **FP32)  # the same bf16 logits, upcast: fp32 from there
-    with torch.no_grad():
-        assert _matmuls(lambda: fastckpt.linear_cross_entropy(hidden, weight, labels, chunk_size=10)) == 5
+    with torch.no_grad():  # the 40 counted tokens of 50 in 4 chunks
+        assert _matmuls(lambda: fastckpt.linear_cross_entropy(hidden, weight, labels, chunk_size=10)) == 4
 
 
 def test_double_backward_and_second_backward_raise():

@@ -203,6 +203,40 @@ def test_only_the_enabled_models_head_is_served(kernels):
     assert kernels == {"fastckpt": 1, "trl": 2}
 
 
+def test_ignored_positions_skip_the_head(monkeypatch):
+    """Without Triton TRL hands its kernel every position and zeroes the ignored ones afterwards; fastckpt scores
+    the counted ones only (padding, prompt and each sequence's last position cost no head work), with TRL's
+    results and gradients."""
+    scored = []
+    ours = trl_head.linear_log_probs
+
+    def recorded(hidden, *args, **kwargs):
+        scored.append(hidden.shape[0])
+        return ours(hidden, *args, **kwargs)
+
+    monkeypatch.setattr(trl_head, "linear_log_probs", recorded)
+    served, other = _model(), _model()
+    outputs = ("log_probs", "entropy", "is_top1")
+    for model in (served, other):
+        trl.trainer.utils.add_fused_lm_head(model, temperature=0.7, outputs=outputs)
+    hf.enable(served, **HEAD)
+    ids = torch.randint(2, VOCAB, (2, 12), generator=torch.Generator().manual_seed(2))
+    labels, attention = ids.clone(), torch.ones_like(ids)
+    labels[:, :4] = -100  # prompts
+    labels[1, 9:], attention[1, 9:] = -100, 0  # right padding
+    results = {}
+    for model in (served, other):
+        out = model(input_ids=ids, attention_mask=attention, labels=labels, fused_lm_head=True)
+        (out.log_probs.sum() + out.entropy.sum()).backward()
+        results[model] = (out, [p.grad for p in model.parameters()])
+    assert scored == [int((labels[:, 1:] != -100).sum())]  # 8 + 5 of the 22 shifted positions
+    (got, got_grads), (want, want_grads) = results[served], results[other]
+    for name in outputs:
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-5)
+    for grad, ref in zip(got_grads, want_grads, strict=True):
+        torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("why", ["no kernel in this TRL", "a DTensor head", "an fp32 head cast"])
 def test_what_is_not_served_is_reported(monkeypatch, kernels, why):
     model = _model()

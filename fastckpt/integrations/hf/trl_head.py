@@ -9,7 +9,8 @@ without Triton it folds [4096 tokens x 32768 vocab] fp32 tiles in torch (several
 One head per model, never two: for a model whose loss head is on, TRL's per-token kernel (its module-level
 `_ChunkedLogProbFunction`, which the patched forward looks up at each call) is replaced by
 `fastckpt.linear_log_probs`, with TRL's temperature, soft cap and logit scale. Everything else in TRL's forward
-(the backbone call, which positions are scored, MoE auxiliary losses, the outputs it assembles) stays TRL's.
+(the backbone call, MoE auxiliary losses, the outputs it assembles) stays TRL's; where TRL hands the kernel every
+position (no Triton: CPU, MPS) only the counted ones go through fastckpt's head (`_scored_rows`).
 The replacement dispatches on the head's weight: other models (a reference model, models without
 `loss_head=True`) get TRL's own kernel unchanged. It is installed by a forward pre-hook on the model's backbone,
 which runs inside TRL's forward before the kernel is looked up, so the order of `enable` and the trainer's
@@ -96,21 +97,44 @@ class _ServedKernel:
             return cls.trl_kernel.apply(
                 hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
             )
+        rows = _scored_rows(sys._getframe(1), hidden)
         # TRL's chunk_size counts vocabulary columns per tile; fastckpt's chunks are of tokens (a plan's, or the
         # default).
-        return tuple(
-            linear_log_probs(
-                hidden,
-                weight,
-                targets,
-                bias=bias,
-                temperature=temperature,
-                softcap=final_logit_softcapping,
-                logit_scale=logit_scale,
-                chunk_size=model.__dict__.get(_LossHead.CHUNK),
-                outputs=tuple(outputs),
-            )
+        per_token = linear_log_probs(
+            hidden if rows is None else hidden.index_select(0, rows),
+            weight,
+            targets if rows is None else targets.index_select(0, rows),
+            bias=bias,
+            temperature=temperature,
+            softcap=final_logit_softcapping,
+            logit_scale=logit_scale,
+            chunk_size=model.__dict__.get(_LossHead.CHUNK),
+            outputs=tuple(outputs),
         )
+        if rows is None:
+            return tuple(per_token)
+        # TRL zeroes the unscored positions (masked_fill) after the kernel: zeros there already
+        return tuple(None if x is None else x.new_zeros(hidden.shape[0]).index_copy(0, rows, x) for x in per_token)
+
+
+def _scored_rows(caller: types.FrameType, hidden: torch.Tensor) -> torch.Tensor | None:
+    """The positions TRL's forward (the kernel's caller) counts, when it passed every position.
+
+    Without Triton (CPU, MPS) TRL hands the kernel every position, labels -100 clamped to 0, and zeroes the
+    ignored ones afterwards; their head work (padding, prompts, each sequence's last position) is wasted. Its
+    label mask is a local of that forward, `mask`: the indices of its true positions, else None (TRL passed only
+    the counted positions, or this TRL's forward has no such local: every position is scored)."""
+    if caller.f_code.co_name != _FUSED_FORWARD or caller.f_globals.get("__name__") != _TRL_UTILS:
+        return None
+    if hidden.device.type not in ("cpu", "cuda", "mps"):  # where a shape per batch costs no recompilation (XLA)
+        return None
+    mask = caller.f_locals.get("mask")
+    if caller.f_locals.get("compact") is not False or not isinstance(mask, torch.Tensor):
+        return None
+    if mask.dtype != torch.bool or mask.numel() != hidden.shape[0]:
+        return None
+    rows = mask.reshape(-1).nonzero().squeeze(1)
+    return None if rows.numel() == hidden.shape[0] else rows
 
 
 def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tuple) -> None:
