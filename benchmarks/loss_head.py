@@ -1,7 +1,8 @@
 """`python -m benchmarks loss [--device cpu|cuda] [--out DIR] [--quick]`: the causal-LM loss head.
 
 One step: forward and backward of the loss of hidden states [tokens, hidden] (fp32, requiring grad)
-through an fp32 head weight [vocab, hidden] under bf16 autocast, Llama-like shapes. Rows:
+through an fp32 head weight [vocab, hidden] under bf16 autocast, Llama-like shapes, the first eighth of the
+tokens ignored (label -100: padding, a prompt) or, in a completion-only batch, the first half. Rows:
 
 - plain: `F.cross_entropy(F.linear(hidden, weight).float(), labels)`, what Hugging Face's ForCausalLMLoss
   does: full logits, their fp32 upcast, the log-softmax autograd keeps and their gradients;
@@ -29,8 +30,9 @@ from benchmarks.harness import median_times, peak_bytes, write_csv
 from benchmarks.ops import _reuse_freed_host_memory
 from fastckpt.loss import default_chunk_size
 
-SHAPES = ((2048, 256, 4096), (2048, 256, 32000))  # (tokens, hidden, vocab)
-QUICK_SHAPES = ((1024, 256, 4096), (1024, 256, 32000))
+SHAPES = ((2048, 256, 4096, 1 / 8), (2048, 256, 32000, 1 / 8), (2048, 256, 32000, 1 / 2))  # (tokens, hidden,
+# vocab, the fraction of tokens ignored)
+QUICK_SHAPES = ((1024, 256, 4096, 1 / 8), (1024, 256, 32000, 1 / 8), (1024, 256, 32000, 1 / 2))
 PLAIN, RECOMPUTE, FUSED = "plain", "chunked recompute", "fastckpt fused"
 
 
@@ -56,12 +58,14 @@ def _relative_error(value: torch.Tensor, reference: torch.Tensor) -> float:
     return float((value - reference).norm() / reference.norm().clamp_min(1e-30))
 
 
-def _measure_shape(tokens: int, hidden_size: int, vocab: int, device: torch.device, warmup: int, rounds: int):
+def _measure_shape(
+    tokens: int, hidden_size: int, vocab: int, ignored: float, device: torch.device, warmup: int, rounds: int
+):
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(tokens, hidden_size, generator=generator).to(device).requires_grad_()
     weight = (torch.randn(vocab, hidden_size, generator=generator) * hidden_size**-0.5).to(device).requires_grad_()
     labels = torch.randint(0, vocab, (tokens,), generator=generator).to(device)
-    labels[::8] = -100  # some ignored tokens (padding, prompts)
+    labels[: round(tokens * ignored)] = -100  # a prompt, or padding
     chunk = default_chunk_size(vocab, hidden_size, weight_grad=True)
     losses = {
         PLAIN: lambda: plain(hidden, weight, labels),
@@ -89,6 +93,7 @@ def _measure_shape(tokens: int, hidden_size: int, vocab: int, device: torch.devi
         rows.append(
             {
                 "shape": f"{tokens}x{hidden_size}x{vocab}",
+                "ignored": f"{ignored:.3g}",
                 "config": name,
                 "chunk": "" if name == PLAIN else chunk,
                 "peak_mib": round(peaks[name] / 2**20, 1),
@@ -104,20 +109,22 @@ def _measure_shape(tokens: int, hidden_size: int, vocab: int, device: torch.devi
 
 
 def measure(shapes=SHAPES, device: torch.device | str = "cpu", warmup: int = 1, rounds: int = 3) -> list[dict]:
-    """One row per (shape, configuration); shapes are (tokens, hidden, vocab)."""
+    """One row per (shape, configuration); shapes are (tokens, hidden, vocab, the fraction of tokens ignored)."""
     rows = []
-    for tokens, hidden_size, vocab in shapes:
-        rows += _measure_shape(tokens, hidden_size, vocab, torch.device(device), warmup, rounds)
+    for tokens, hidden_size, vocab, ignored in shapes:
+        rows += _measure_shape(tokens, hidden_size, vocab, ignored, torch.device(device), warmup, rounds)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    header = f"{'shape (tokens x hidden x vocab)':<32}{'config':<20}{'chunk':>6}{'peak MiB':>10}{'x plain':>9}"
+    header = f"{'shape (tokens x hidden x vocab)':<32}{'ignored':>8}  {'config':<20}{'chunk':>6}{'peak MiB':>10}"
+    header += f"{'x plain':>9}"
     header += f"{'step ms':>10}{'x plain':>9}{'max error':>11}"
     lines = [header]
     for r in rows:
         lines.append(
-            f"{r['shape']:<32}{r['config']:<20}{r['chunk']!s:>6}{r['peak_mib']:>10.1f}{r['peak_x_plain']:>9.3f}"
+            f"{r['shape']:<32}{r['ignored']:>8}  {r['config']:<20}{r['chunk']!s:>6}{r['peak_mib']:>10.1f}"
+            f"{r['peak_x_plain']:>9.3f}"
             f"{r['time_ms']:>10.1f}{r['time_x_plain']:>9.3f}{r['max_error']:>11}"
         )
     return "\n".join(lines)
