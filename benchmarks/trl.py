@@ -1,4 +1,5 @@
-"""One step of TRL's SFTTrainer at a real model shape: `python -m benchmarks trl [--quick]`.
+"""One step of TRL's SFTTrainer (or DPOTrainer) at a real model shape: `python -m benchmarks trl [--quick]`
+(`python -m benchmarks.trl --trainer dpo` for DPO).
 
 TRL 1.16's SFTTrainer computes the loss through its own fused LM head (per-token log-probabilities in tiles, no
 full logits) and turns on HF gradient checkpointing by default; the rows are what a user can set around it:
@@ -9,7 +10,10 @@ with `loss_head=True` (fastckpt's head serves TRL's fused-head calls) and padded
 The model: Qwen2.5-0.5B's shape (random weights, bf16, LoRA r=16 on all seven projections, as a PEFT model;
 `python -m benchmarks.trl --shape llama-3.2-1b` for another of benchmarks/real_shapes.py's shapes), a batch of
 two examples of 1,024 and 896 tokens (`--quick`: 512 and 448) that TRL's collator pads on the right, bf16
-autocast (`bf16=True`), learning rate 0 so that every row steps from the same weights. Each row: the trainer
+autocast (`bf16=True`), learning rate 0 so that every row steps from the same weights. DPO: one preference pair,
+a prompt of 512 tokens, chosen 512 and rejected 384 (`--quick`: half), so the two sequences are SFT's lengths
+and half their tokens are prompt (no loss there); its reference is the same PEFT model with the adapters off
+(TRL's default with PEFT), a no-grad forward of both sequences each step. Each row: the trainer
 is built and trains one step (`train()`: what turns checkpointing on, and the warm-up), then `training_step`
 on the same batch is timed (median of the rounds) and its peak measured (the profiler's allocation records on
 CPU).
@@ -24,6 +28,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -34,12 +39,20 @@ from fastckpt.integrations import hf
 
 REFERENCE = "TRL + HF GC (TRL's fused head)"
 LENGTHS = (1024, 896)  # the batch's two examples, in tokens
-# (shape, the examples' lengths, timed rounds) per size; Qwen2.5-0.5B: a real vocabulary (151,936) at a step that
-# `make bench` can afford on a 2-core CPU
+# (shape, lengths, timed rounds) per trainer and size. SFT: each example's tokens; DPO: one preference pair's
+# prompt, chosen and rejected tokens. Qwen2.5-0.5B: a real vocabulary (151,936) at a step that `make bench` can
+# afford on a 2-core CPU
 SIZES = {
-    "full": ("qwen2.5-0.5b", LENGTHS, 2),
-    "quick": ("qwen2.5-0.5b", (512, 448), 1),
-    "smoke": ("smoke", (64, 48), 1),
+    "sft": {
+        "full": ("qwen2.5-0.5b", LENGTHS, 2),
+        "quick": ("qwen2.5-0.5b", (512, 448), 1),
+        "smoke": ("smoke", (64, 48), 1),
+    },
+    "dpo": {
+        "full": ("qwen2.5-0.5b", (512, 512, 384), 2),
+        "quick": ("qwen2.5-0.5b", (256, 256, 192), 1),
+        "smoke": ("smoke", (32, 32, 16), 1),
+    },
 }
 
 
@@ -75,24 +88,42 @@ def tokenizer(vocab: int):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
 
 
-def trainer_step(shape_name: str, lengths: tuple[int, ...], setup: Setup, out: str) -> Callable[[], float]:
-    """A callable running `training_step` of `setup`'s trainer, after its first step, on the batch; it returns the
-    loss."""
+def _dataset(trainer_name: str, vocab: int, lengths: tuple[int, ...]) -> Any:
+    """SFT: tokenized examples of `lengths` tokens; DPO: one pair of the tokenizer's words (prompt, chosen,
+    rejected lengths; TRL tokenizes them and appends EOS)."""
     import datasets
+
+    generator = torch.Generator().manual_seed(1)
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(2, vocab, (n,), generator=generator).tolist()
+
+    if trainer_name == "sft":
+        return datasets.Dataset.from_list([{"input_ids": ids(n)} for n in lengths])
+    prompt, chosen, rejected = ("".join(f"t{i} " for i in ids(n)) for n in lengths)
+    return datasets.Dataset.from_list([{"prompt": prompt, "chosen": chosen, "rejected": rejected}])
+
+
+def trainer_step(
+    shape_name: str, lengths: tuple[int, ...], setup: Setup, out: str, trainer_name: str = "sft"
+) -> Callable[[], float]:
+    """A callable running `training_step` of `setup`'s trainer (`trainer_name`: "sft" or "dpo"), after its first
+    step, on the batch; it returns the loss."""
     import trl
 
     shape = SHAPES[shape_name]
-    model = build(shape, lora=True, tokens=max(lengths))
+    sft = trainer_name == "sft"
+    longest = max(lengths) if sft else lengths[0] + max(lengths[1:]) + 1  # DPO: prompt + completion + EOS
+    model = build(shape, lora=True, tokens=longest)
     if setup.enable is not None:
         hf.enable(model, **setup.enable)
-    generator = torch.Generator().manual_seed(1)
-    examples = [{"input_ids": torch.randint(2, shape.vocab, (n,), generator=generator).tolist()} for n in lengths]
-    config = trl.SFTConfig(
+    config_class, trainer_class = (trl.SFTConfig, trl.SFTTrainer) if sft else (trl.DPOConfig, trl.DPOTrainer)
+    config = config_class(
         output_dir=os.path.join(out, "trl"),
-        per_device_train_batch_size=len(lengths),
+        per_device_train_batch_size=len(lengths) if sft else 1,
         max_steps=1,
         learning_rate=0.0,
-        max_length=max(lengths),
+        max_length=longest,
         bf16=True,
         use_cpu=not torch.cuda.is_available(),
         save_strategy="no",
@@ -101,10 +132,10 @@ def trainer_step(shape_name: str, lengths: tuple[int, ...], setup: Setup, out: s
         dataloader_num_workers=0,
         **(setup.config or {}),
     )
-    trainer = trl.SFTTrainer(
+    trainer = trainer_class(
         model=model,
         args=config,
-        train_dataset=datasets.Dataset.from_list(examples),
+        train_dataset=_dataset(trainer_name, shape.vocab, lengths),
         processing_class=tokenizer(shape.vocab),
     )
     trainer.train()
@@ -120,21 +151,29 @@ def trainer_step(shape_name: str, lengths: tuple[int, ...], setup: Setup, out: s
 
 
 def main(
-    device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False, shape: str | None = None
+    device: str = "cpu",
+    out: str | None = None,
+    quick: bool = False,
+    smoke: bool = False,
+    shape: str | None = None,
+    trainer: str = "sft",
 ) -> list[dict]:
     import importlib.util
 
     if importlib.util.find_spec("trl") is None:
         print("trl: not installed (pip install trl==1.16.0 datasets==4.8.5); skipped")
         return []
-    shape_name, lengths, rounds = SIZES["smoke" if smoke else "quick" if quick else "full"]
+    if trainer not in SIZES:
+        raise ValueError(f"benchmarks trl: `trainer` must be one of {sorted(SIZES)}, got {trainer!r}")
+    shape_name, lengths, rounds = SIZES[trainer]["smoke" if smoke else "quick" if quick else "full"]
     shape_name = shape or shape_name
     out = out or "bench-results/trl"
-    print(
-        f"TRL SFTTrainer, one step: {shape_name} LoRA r=16, bf16, {len(lengths)} examples of {lengths} tokens "
-        f"(right padding), {device}",
-        flush=True,
+    batch = (
+        f"{len(lengths)} examples of {lengths} tokens (right padding)"
+        if trainer == "sft"
+        else f"one preference pair: prompt, chosen, rejected of {lengths} tokens"
     )
+    print(f"TRL {trainer.upper()}Trainer, one step: {shape_name} LoRA r=16, bf16, {batch}, {device}", flush=True)
     results: dict[str, dict] = {}
     failed: dict[str, str] = {}
     runs: dict[str, Callable[[], float]] = {}
@@ -149,7 +188,7 @@ def main(
         started = time.perf_counter()
         try:
             with quiet_profiler_logs():
-                runs[setup.name] = trainer_step(shape_name, lengths, setup, out)  # its train() step warms up
+                runs[setup.name] = trainer_step(shape_name, lengths, setup, out, trainer)  # train() warms up
         except Exception as err:
             failed[setup.name] = f"FAILED: {error_line(err)}"
         print(f"  {setup.name}: built and one step in {time.perf_counter() - started:.0f} s", flush=True)
@@ -182,14 +221,15 @@ def main(
             f"{setup.name:<{width}}{r['peak'] / 2**20:>10.1f}{fmt(peak_x, '.3f'):>8}{r['time']:>9.2f}"
             f"{fmt(time_x, '.2f'):>8}{r['loss']:>10.5f}"
         )
-        rows.append({"row": setup.name, "shape": shape_name, "tokens": sum(lengths), "peak_bytes": r["peak"],
-                     "peak_x_ref": peak_x, "seconds": r["time"], "time_x_ref": time_x, "loss": r["loss"]})  # fmt: skip
+        rows.append({"trainer": trainer, "row": setup.name, "shape": shape_name, "tokens": sum(lengths),
+                     "peak_bytes": r["peak"], "peak_x_ref": peak_x, "seconds": r["time"], "time_x_ref": time_x,
+                     "loss": r["loss"]})  # fmt: skip
     print(
         "Liger Kernel's fused linear cross entropy: no row (TRL's SFTTrainer refuses it beside its fused head, and "
         "it needs a GPU: Triton)"
     )
     if out and rows:
-        write_csv(rows, out, "trl.csv")
+        write_csv(rows, out, "trl.csv" if trainer == "sft" else f"trl_{trainer}.csv")
     return rows
 
 
@@ -198,7 +238,8 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a real-shape model (default: qwen2.5-0.5b)")
+    parser.add_argument("--trainer", choices=sorted(SIZES), default="sft", help="TRL's SFTTrainer or DPOTrainer")
     parser.add_argument("--quick", action="store_true", help="512 and 448 tokens, one round")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    main(out=args.out, quick=args.quick, shape=args.shape)
+    main(out=args.out, quick=args.quick, shape=args.shape, trainer=args.trainer)

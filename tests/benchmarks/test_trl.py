@@ -1,4 +1,5 @@
-"""The TRL benchmark's smoke run: every row runs in TRL's SFTTrainer and is reported against TRL + HF GC."""
+"""The TRL benchmark's smoke run: every row runs in TRL's SFTTrainer and DPOTrainer and is reported against TRL +
+HF GC."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ pytest.importorskip("datasets")
 pytest.importorskip("peft")
 
 
-def test_smoke_run_reports_every_row(capsys, tmp_path):
+@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+def test_smoke_run_reports_every_row(capsys, tmp_path, trainer):
     from benchmarks import trl as bench
 
-    rows = bench.main(out=str(tmp_path), smoke=True)
+    rows = bench.main(out=str(tmp_path), smoke=True, trainer=trainer)
     printed = capsys.readouterr().out
     assert [row["row"] for row in rows] == [s.name for s in bench.SETUPS if not (s.config or {})]
     assert rows[0]["row"] == bench.REFERENCE and rows[0]["peak_x_ref"] == 1.0
@@ -20,4 +22,4 @@ def test_smoke_run_reports_every_row(capsys, tmp_path):
     # learning rate 0: every row steps from the same weights, so the losses agree (the served head: up to rounding)
     assert max(row["loss"] for row in rows) - min(row["loss"] for row in rows) < 1e-2
     assert "not run on CPU: TRL's activation offloading" in printed
-    assert (tmp_path / "trl.csv").exists()
+    assert (tmp_path / ("trl.csv" if trainer == "sft" else "trl_dpo.csv")).exists()
