@@ -18,8 +18,8 @@ is built and trains one step (`train()`: what turns checkpointing on, and the wa
 on the same batch is timed (median of the rounds) and its peak measured (the profiler's allocation records on
 CPU).
 
-Liger Kernel's fused cross entropy is not a row: TRL's SFTTrainer refuses it (it would replace the fused head),
-and it runs only on GPUs (Triton).
+Liger Kernel's fused cross entropy is not a row: TRL's SFTTrainer and DPOTrainer refuse it (it would replace the
+fused head), and it runs only on GPUs (Triton).
 """
 
 from __future__ import annotations
@@ -225,8 +225,8 @@ def main(
                      "peak_bytes": r["peak"], "peak_x_ref": peak_x, "seconds": r["time"], "time_x_ref": time_x,
                      "loss": r["loss"]})  # fmt: skip
     print(
-        "Liger Kernel's fused linear cross entropy: no row (TRL's SFTTrainer refuses it beside its fused head, and "
-        "it needs a GPU: Triton)"
+        "Liger Kernel's fused linear cross entropy: no row (TRL's SFT and DPO trainers refuse it beside their fused "
+        "head, and it needs a GPU: Triton)"
     )
     if out and rows:
         write_csv(rows, out, "trl.csv" if trainer == "sft" else f"trl_{trainer}.csv")
