@@ -54,11 +54,11 @@ def default_chunk_size(vocab_size: int, hidden_size: int = 0, weight_grad: bool 
     at Llama-3.2-1B's shape (1,024 tokens, LoRA), some 60 MiB for everything else. The token bounds are time:
     every chunk reads the whole head weight twice (the logits, the hidden states' gradient), so few tokens per
     chunk are slow whatever the vocabulary. Measured on CPU (`python -m benchmarks.loss_head --sweep`: 1,024
-    tokens, hidden 2048, vocab 128,256, bf16 autocast, 2 threads; with a fp32 copy of each chunk's logits, before
-    the slices), the head's step as x its fastest chunk: a frozen bf16 weight (LoRA) 5.6x at 16 tokens, 1.8x at
-    32, 1.43x at 64, 1.14x at 128, 1.03x at 256; a trained fp32 weight, which also adds a [vocab, hidden] product
-    into the fp32 weight-gradient sum per chunk, 3.2x at 64, 1.97x at 128, 1.39x at 256, 1.13x at 512, 1.0x at
-    1,024 (its chunk is a small part of a full fine-tune's peak: the weight gradient's sum alone is 1 GiB there).
+    tokens, hidden 2048, vocab 128,256, bf16 autocast, 2 threads), the head's step as x its fastest chunk: a
+    frozen bf16 weight (LoRA) 3.6x at 16 tokens, 2.3x at 32, 1.54x at 64, 1.16x at 128, 1.0x at 256 to 1,024; a
+    trained fp32 weight, which also adds a [vocab, hidden] product into the fp32 weight-gradient sum per chunk,
+    3.4x at 64, 2.08x at 128, 1.46x at 256, 1.16x at 512, 1.0x at 1,024 (its chunk is a small part of a full
+    fine-tune's peak: the weight gradient's sum alone is 1 GiB there).
     At vocab 4096 (2048-4096 tokens) the fastest chunks held 8-64 MiB of fp32 logits (128-512 tokens), and 128
     tokens gave the lowest peak of a bf16 Llama LoRA step (16 layers, 1024 tokens: 23.0 MiB against 32.2 with 512).
     """
