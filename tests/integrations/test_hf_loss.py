@@ -18,6 +18,7 @@ transformers = pytest.importorskip("transformers")
 from fastckpt import linear_cross_entropy  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
 from fastckpt.integrations.hf import loss_head as hf_loss_head  # noqa: E402
+from fastckpt.memory import peak_bytes  # noqa: E402
 from tests.helpers import TINY_DECODER, TINY_MAMBA2, tiny_decoder_config  # noqa: E402
 
 VOCAB = 256
@@ -295,6 +296,64 @@ def test_disable_restores_hfs_forward():
     hf.enable(clone, loss_head=False)  # enable without loss_head hands the loss back too
     assert not hf.loss_head_enabled(clone) and "forward" not in vars(clone)
     assert step(clone, **batch)[0].logits.shape == (BATCH, SEQ, VOCAB)
+
+
+def test_a_tied_embedding_adds_its_gradient_into_the_heads(monkeypatch):
+    """A full fine-tune of a model whose embedding is its head: the embedding's gradient is made sparse and added
+    into the head's, so no second [vocab, hidden] gradient exists at the end of the backward; the weight's
+    gradient is HF's, dense, and the embedding is left as it was."""
+    plain = build("llama-tied")
+    # few tokens, a vocabulary that outweighs the layers: the step's peak is at the embedding's backward
+    plain.resize_token_embeddings(8192)
+    ours = hf.enable(copy.deepcopy(plain), loss_head=True)
+    ids = torch.randint(4, 8192, (1, 6), generator=torch.Generator().manual_seed(3))
+
+    def profiled(model):
+        with torch.profiler.profile(profile_memory=True) as prof:
+            result = step(model, input_ids=ids, labels=ids)
+        return result, {event.key for event in prof.key_averages()}
+
+    result, ops = profiled(ours)
+    expected, plain_ops = profiled(plain)
+    assert_same_step(result, expected, fp32={"rtol": 1e-4, "atol": 1e-5})  # vocab 8192: the head's summation order
+    assert "aten::embedding_dense_backward" in plain_ops and "aten::embedding_dense_backward" not in ops
+    weight = ours.model.embed_tokens.weight
+    assert weight.grad.layout == torch.strided and not ours.model.embed_tokens.sparse
+    for model in (ours, plain):  # a second micro-batch accumulates into the gradients
+        model(input_ids=ids.flip(1), labels=ids.flip(1)).loss.backward()
+    torch.testing.assert_close(weight.grad, plain.model.embed_tokens.weight.grad, rtol=1e-4, atol=1e-5)
+
+    def backward() -> None:
+        ours.zero_grad(set_to_none=True)
+        ours(input_ids=ids, labels=ids).loss.backward()
+
+    peak = peak_bytes(backward)
+    monkeypatch.setattr(hf_loss_head, "_tied_embedding", lambda model, head: None)  # the embedding's dense gradient
+    dense_peak = peak_bytes(backward)
+    # never two gradients of the weight's size at once (the layers' gradients and the head's chunk are small)
+    assert peak < 2 * weight.numel() * weight.element_size() <= dense_peak
+
+
+def _ddp_tied_body(rank: int, world: int) -> list:
+    """Each rank: DDP over a tied model, with HF's loss and with the loss head; the gradients after the all-reduce."""
+    ids = torch.randint(4, VOCAB, (1, 6), generator=torch.Generator().manual_seed(rank))
+    grads = []
+    for loss_head in (False, True):
+        model = build("llama-tied")
+        model = torch.nn.parallel.DistributedDataParallel(hf.enable(model, loss_head=True) if loss_head else model)
+        model(input_ids=ids, labels=ids).loss.backward()
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    return grads
+
+
+def test_ddp_reduces_a_tied_embeddings_gradient():
+    """DDP (built while the embedding is not sparse) gets the tied weight's gradient dense and once, as HF's."""
+    from tests.multiprocess import run_in_processes
+
+    for plain, ours in run_in_processes(_ddp_tied_body):
+        assert plain.keys() == ours.keys()
+        for name, ref in plain.items():
+            torch.testing.assert_close(ours[name], ref, **FP32, msg=name)
 
 
 def test_peft_lora():

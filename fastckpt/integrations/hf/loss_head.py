@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastckpt import _compat
 from fastckpt.integrations.hf.families import _HEAD_POSTPROCESSING
 from fastckpt.integrations.hf.pretrained import _pretrained_model
 from fastckpt.loss import default_chunk_size, linear_cross_entropy
@@ -61,6 +62,60 @@ def _wraps_loss_head(function: Any) -> bool:
             return True
         function = getattr(function, "__func__", None) or getattr(function, "__wrapped__", None)
     return False
+
+
+def _tied_embedding(model: torch.nn.Module, head: torch.nn.Module) -> torch.nn.Embedding | None:
+    """The input embedding whose trained weight is `head`'s (tied), when `_TiedGradient` may apply: a plain
+    nn.Embedding (its output's grad_fn is the lookup's), the weight not sharded by FSDP2 (a DTensor) or DeepSpeed
+    ZeRO-3 (whose gradient hooks would see a changed path)."""
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embedding, torch.nn.Embedding) or type(embedding).forward is not torch.nn.Embedding.forward:
+        return None
+    weight = head.weight
+    if embedding.sparse or embedding.weight is not weight or not weight.requires_grad:
+        return None
+    if hasattr(weight, "ds_id") or type(weight.data) is not torch.Tensor:
+        return None
+    return embedding
+
+
+class _TiedGradient:
+    """The embedding's gradient added in place into the head's, for a weight they share.
+
+    Autograd sums a leaf's incoming gradients before accumulating them. For a tied weight the head's, dense,
+    arrives first; the embedding's usual gradient is a second dense [vocab, hidden] tensor, and with it the sum
+    is one more: at the end of the backward, where every other gradient is live (Llama-3.2-1B's full
+    fine-tune: 1 GiB over 4.6 GiB of gradients). Here the lookup runs with `sparse=True` (its gradient is
+    [tokens, hidden]), a hook on the loss's node keeps the head's gradient of the weight, and a hook on the
+    lookup's node adds the sparse gradient into it in place and hands autograd no second gradient. The weight's
+    gradient is the same sum, dense, accumulated once (optimizers, DDP and gradient hooks see what they would).
+    Without the head's gradient in this backward the lookup's is made dense, as it would have been."""
+
+    def __init__(self, embedding: torch.nn.Embedding) -> None:
+        self.embedding = embedding
+        self.head_grad: torch.Tensor | None = None
+        self.task = None  # the backward the head's gradient belongs to
+
+    def keep_head_gradient(self, grad_inputs: tuple, grad_outputs: tuple) -> None:
+        """Post-hook of the loss's node (linear_cross_entropy's: hidden, weight, bias, ...)."""
+        self.head_grad, self.task = grad_inputs[1], _compat.require("current_graph_task_id")()
+
+    def lookup_output(self, module: torch.nn.Module, args: tuple, output: torch.Tensor) -> None:
+        """Forward hook of the embedding (during the loss head's call): hooks its lookup's node."""
+        if output.grad_fn is not None:
+            output.grad_fn.register_hook(self.add_into_head_gradient)
+
+    def add_into_head_gradient(self, grad_inputs: tuple, grad_outputs: tuple) -> tuple:
+        """Post-hook of the lookup's node: its one gradient, the weight's (sparse)."""
+        (sparse,) = grad_inputs
+        head_grad, self.head_grad = self.head_grad, None  # no reference left: autograd may take it as .grad
+        if sparse is None:
+            return grad_inputs
+        same_backward = self.task == _compat.require("current_graph_task_id")()
+        if head_grad is None or not same_backward or head_grad.shape != sparse.shape:
+            return (sparse.to_dense(),)
+        head_grad.add_(sparse.to(head_grad.dtype))
+        return (None,)
 
 
 def _forward_owner(model: torch.nn.Module) -> type:
@@ -189,6 +244,7 @@ class _LossHead:
         self.version = 0
         self.losses = 0
         self.pending: tuple[torch.Tensor, dict] | None = None  # the loss's labels and options, for head_forward
+        self.tied: _TiedGradient | None = None  # for a head whose weight is the input embedding's
 
     def run(self, inner: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         model = self.model
@@ -200,6 +256,11 @@ class _LossHead:
         saved = {name: obj.__dict__[name] for obj, name in replaced if name in obj.__dict__}
         setattr(head, replaced[0][1], self.head_forward)
         model._loss_function = self.loss
+        embedding = _tied_embedding(model, head)
+        if embedding is not None:  # during the call only: DDP, built before, expects a dense gradient (it gets one)
+            self.tied = _TiedGradient(embedding)
+            embedding.sparse = True
+            lookup_hook = embedding.register_forward_hook(self.tied.lookup_output)
         try:
             output = inner(*args, **kwargs)
         finally:
@@ -208,6 +269,9 @@ class _LossHead:
                     obj.__dict__[name] = saved[name]
                 else:
                     obj.__dict__.pop(name, None)
+            if embedding is not None:
+                embedding.sparse = False
+                lookup_hook.remove()
         if self.losses != 1:
             raise RuntimeError(
                 f"fastckpt.integrations.hf (loss_head): {type(model).__name__}.forward called its loss_function "
@@ -222,7 +286,10 @@ class _LossHead:
         if self.pending is not None:
             (targets, options), self.pending = self.pending, None
             chunk_size = self.model.__dict__.get(self.CHUNK)
-            return linear_cross_entropy(args[0], head.weight, targets, bias=head.bias, chunk_size=chunk_size, **options)
+            loss = linear_cross_entropy(args[0], head.weight, targets, bias=head.bias, chunk_size=chunk_size, **options)
+            if self.tied is not None and loss.grad_fn is not None:
+                loss.grad_fn.register_hook(self.tied.keep_head_gradient)
+            return loss
         if self.hidden is not None:
             raise RuntimeError(
                 f"fastckpt.integrations.hf (loss_head): {type(self.model).__name__}.forward calls lm_head more "
