@@ -317,6 +317,7 @@ def test_a_tied_embedding_adds_its_gradient_into_the_heads(monkeypatch):
     expected, plain_ops = profiled(plain)
     assert_same_step(result, expected, fp32={"rtol": 1e-4, "atol": 1e-5})  # vocab 8192: the head's summation order
     assert "aten::embedding_dense_backward" in plain_ops and "aten::embedding_dense_backward" not in ops
+    assert "aten::embedding_sparse_backward" in ops and "aten::to_dense" not in ops  # added into the head's
     weight = ours.model.embed_tokens.weight
     assert weight.grad.layout == torch.strided and not ours.model.embed_tokens.sparse
     for model in (ours, plain):  # a second micro-batch accumulates into the gradients

@@ -237,6 +237,37 @@ def test_ignored_positions_skip_the_head(monkeypatch):
         torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-6)
 
 
+def test_a_tied_embeddings_gradient_is_added_into_the_served_heads(monkeypatch):
+    """A full fine-tune of a tied model under TRL's fused head: the embedding's gradient goes into the head's in
+    place (no second [vocab, hidden] gradient), with TRL's gradients; the embedding is left as it was."""
+    from fastckpt.memory import peak_bytes
+
+    def tied() -> torch.nn.Module:  # few tokens, a vocabulary that outweighs the layers
+        torch.manual_seed(0)
+        config = tiny_decoder_config("LlamaConfig", 8192, tie_word_embeddings=True, attn_implementation="sdpa")()
+        return transformers.LlamaForCausalLM(config)
+
+    served, other = tied(), tied()
+    for model in (served, other):
+        trl.trainer.utils.add_fused_lm_head(model)
+    hf.enable(served, **HEAD)
+    ids = torch.randint(2, 8192, (1, 6), generator=torch.Generator().manual_seed(4))
+
+    def backward(model: torch.nn.Module) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        model(input_ids=ids, labels=ids, fused_lm_head=True).loss.backward()
+        return [p.grad for p in model.parameters()]
+
+    for grad, ref in zip(backward(served), backward(other), strict=True):
+        torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-6)
+    weight = served.model.embed_tokens.weight
+    assert not served.model.embed_tokens.sparse and weight.grad.layout == torch.strided
+    peak = peak_bytes(lambda: backward(served))
+    monkeypatch.setattr(trl_head, "_tied_embedding", lambda model, head: None)  # the lookup's dense gradient
+    dense_peak = peak_bytes(lambda: backward(served))
+    assert peak < 2 * weight.numel() * weight.element_size() <= dense_peak
+
+
 @pytest.mark.parametrize("why", ["no kernel in this TRL", "a DTensor head", "an fp32 head cast"])
 def test_what_is_not_served_is_reported(monkeypatch, kernels, why):
     model = _model()

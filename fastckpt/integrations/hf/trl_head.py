@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fastckpt.integrations.hf.loss_head import _LossHead, loss_head_enabled
+from fastckpt.integrations.hf.loss_head import _LossHead, _tied_embedding, _TiedGradient, loss_head_enabled
 from fastckpt.log_probs import linear_log_probs
 
 _LOG = logging.getLogger("fastckpt")
@@ -40,6 +40,7 @@ _KERNEL = "_ChunkedLogProbFunction"  # the name TRL's patched forward calls `.ap
 _FUSED_FORWARD = "_fused_forward"  # inside add_fused_lm_head
 _SAID = "_fastckpt_trl_said"
 _SAID_MIXED = "_fastckpt_trl_said_mixed"
+_TIED = "_fastckpt_trl_tied"  # this call's _TiedGradient, from the backbone's pre-hook to the kernel
 _served: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the PreTrainedModels whose head fastckpt serves
 
 
@@ -111,6 +112,9 @@ class _ServedKernel:
             chunk_size=model.__dict__.get(_LossHead.CHUNK),
             outputs=tuple(outputs),
         )
+        tied = model.__dict__.pop(_TIED, None)
+        if tied is not None:
+            tied.keep_head_gradient_of(per_token.log_probs)
         if rows is None:
             return tuple(per_token)
         # TRL zeroes the unscored positions (masked_fill) after the kernel: zeros there already
@@ -160,6 +164,16 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
         )
         return
     _served.add(model)
+    embedding = _tied_embedding(model, model.get_output_embeddings())
+    if embedding is not None and torch.is_grad_enabled():  # a trained tied head: see _TiedGradient
+        tied = model.__dict__[_TIED] = _TiedGradient(embedding)
+        tied.begin()
+
+        def end(*_: Any) -> None:  # after the backbone's forward, even one that raised
+            tied.end()
+            done.remove()
+
+        done = backbone.register_forward_hook(end, always_call=True)
     kernel = getattr(utils, _KERNEL)
     if kernel is not _ServedKernel:
         _ServedKernel.trl_kernel = kernel
