@@ -435,9 +435,8 @@ def _fused(
     the targets -> the gradient (softmax, minus one at the targets, times the soft cap's derivative), slice by
     slice in fp32 and cast into the logits' buffer -> the two gradient matmuls: the logits are the chunk's only
     [tokens, vocab] buffer.
-    Only the tokens that count go through the head (`_chunk_rows`); an ignored token's hidden gradient is 0. What
-    is per token and not per logit is prepared once for all chunks, so a chunk is a dozen calls. The uniform factor
-    1 / divisor is applied in backward, with grad_output."""
+    Only the tokens that count go through the head (`_chunk_rows`); an ignored token's hidden gradient is 0. The
+    uniform factor 1 / divisor is applied in backward, with grad_output."""
     dtype, device = head.compute_dtype, hidden.device
     weight_c = weight.to(dtype)
     bias_c = None if bias is None else bias.to(dtype)

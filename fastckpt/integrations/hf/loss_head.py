@@ -105,7 +105,7 @@ class _TiedGradient:
         self.embedding.sparse = True
         self.lookup_hook = self.embedding.register_forward_hook(self.hook_lookup)
 
-    def end(self, *_: Any) -> None:
+    def end(self) -> None:
         self.embedding.sparse = False
         if self.lookup_hook is not None:
             self.lookup_hook.remove()
