@@ -181,7 +181,6 @@ class _LinearLogProbs(torch.autograd.Function):
         n, device, dtype = hidden.shape[0], hidden.device, head.compute_dtype
         with torch.autocast(device.type, enabled=False):
             weight_c, bias_c = weight.to(dtype), None if bias is None else bias.to(dtype)
-            hidden_c = hidden.to(dtype)
             out = {name: torch.empty(n, dtype=torch.float32, device=device) for name in wanted if name != "is_top1"}
             if "is_top1" in wanted:
                 out["is_top1"] = torch.empty(n, dtype=torch.bool, device=device)
@@ -193,7 +192,8 @@ class _LinearLogProbs(torch.autograd.Function):
             for start in range(0, n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
-                logits = _logits(hidden_c[rows], weight_c, bias_c, head)
+                # each chunk's rows in the compute dtype (a view where hidden has it), as linear_cross_entropy's
+                logits = _logits(hidden[rows].to(dtype), weight_c, bias_c, head)
                 stats = _Statistics(wanted, stop - start, device)
                 top, log_sum = _normaliser(logits, head, temperature, stats.each if stats.needed else None)
                 lse = top + log_sum
@@ -234,14 +234,14 @@ class _LinearLogProbs(torch.autograd.Function):
         n, device, dtype = hidden.shape[0], hidden.device, head.compute_dtype
         with torch.autocast(device.type, enabled=False):
             weight_c, bias_c = weight.to(dtype), None if bias is None else bias.to(dtype)
-            hidden_c = hidden.to(dtype)
             recomputed = torch.empty(n, hidden.shape[1], dtype=dtype, device=device) if needs_hidden else None
             grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=device) if needs_weight else None
             grad_bias = torch.zeros(weight.shape[0], dtype=torch.float32, device=device) if needs_bias else None
             for start in range(0, n, head.chunk_size):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
-                logits, lse = _logits(hidden_c[rows], weight_c, bias_c, head), saved_lse[rows]
+                hidden_c = hidden[rows].to(dtype)
+                logits, lse = _logits(hidden_c, weight_c, bias_c, head), saved_lse[rows]
                 g = None if grad_log_probs is None else grad_log_probs[rows].unsqueeze(1)
                 if grad_entropy is None:
                     dz = _times(_softmax_minus_one_hot(lse, targets), -g)
@@ -252,12 +252,12 @@ class _LinearLogProbs(torch.autograd.Function):
                     torch.mm(grad_logits, weight_c, out=recomputed[rows])
                 if grad_weight is not None:  # summed over chunks in fp32, as linear_cross_entropy's
                     if dtype == torch.float32:
-                        grad_weight.addmm_(grad_logits.T, hidden_c[rows])
+                        grad_weight.addmm_(grad_logits.T, hidden_c)
                     else:
-                        grad_weight += grad_logits.T @ hidden_c[rows]
+                        grad_weight += grad_logits.T @ hidden_c
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(dim=0, dtype=torch.float32)
-                del logits, lse, grad_logits
+                del logits, lse, grad_logits, hidden_c
         if recomputed is not None:
             recomputed = recomputed.to(hidden.dtype)
             grad_hidden = recomputed if grad_hidden is None else grad_hidden.add_(recomputed)
