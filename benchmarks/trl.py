@@ -88,19 +88,22 @@ def tokenizer(vocab: int):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1", unk_token="t0")
 
 
+def words(generator: torch.Generator, vocab: int, n: int) -> str:
+    """n random words of `tokenizer(vocab)` (not its pad or EOS), each followed by a space (one before the EOS
+    TRL appends)."""
+    return "".join(f"t{i} " for i in torch.randint(2, vocab, (n,), generator=generator).tolist())
+
+
 def _dataset(trainer_name: str, vocab: int, lengths: tuple[int, ...]) -> Any:
     """SFT: tokenized examples of `lengths` tokens; DPO: one pair of the tokenizer's words (prompt, chosen,
     rejected lengths; TRL tokenizes them and appends EOS)."""
     import datasets
 
     generator = torch.Generator().manual_seed(1)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(2, vocab, (n,), generator=generator).tolist()
-
     if trainer_name == "sft":
-        return datasets.Dataset.from_list([{"input_ids": ids(n)} for n in lengths])
-    prompt, chosen, rejected = ("".join(f"t{i} " for i in ids(n)) for n in lengths)
+        ids = [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in lengths]
+        return datasets.Dataset.from_list([{"input_ids": row} for row in ids])
+    prompt, chosen, rejected = (words(generator, vocab, n) for n in lengths)
     return datasets.Dataset.from_list([{"prompt": prompt, "chosen": chosen, "rejected": rejected}])
 
 

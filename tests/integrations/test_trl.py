@@ -287,8 +287,9 @@ def test_what_is_not_served_is_reported(monkeypatch, kernels, why):
 
 
 def _words(generator: torch.Generator, n: int) -> str:
-    """n words of the test's tokenizer, each followed by a space (one before the EOS TRL appends)."""
-    return "".join(f"t{i} " for i in torch.randint(2, VOCAB, (n,), generator=generator).tolist())
+    from benchmarks.trl import words
+
+    return words(generator, VOCAB, n)
 
 
 def _preferences() -> datasets.Dataset:
