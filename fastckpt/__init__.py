@@ -10,6 +10,7 @@ from fastckpt.compiled import compile
 from fastckpt.hybrid import selective
 from fastckpt.log_probs import linear_log_probs
 from fastckpt.loss import linear_cross_entropy
+from fastckpt.optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from fastckpt.planner import Plan, plan
 from fastckpt.policies import Policy, current_policy, policy
 from fastckpt.storage.accounting import track
@@ -18,6 +19,7 @@ from fastckpt.tiling import tiled
 __version__ = "0.1.0"
 __all__ = [
     "CheckpointWrapper",
+    "OptimizerInBackward",
     "Plan",
     "Policy",
     "apply",
@@ -27,6 +29,7 @@ __all__ = [
     "current_policy",
     "linear_cross_entropy",
     "linear_log_probs",
+    "optimizer_in_backward",
     "plan",
     "policy",
     "selective",

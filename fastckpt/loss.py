@@ -19,6 +19,7 @@ before the two gradient matmuls, the weight gradient accumulated over chunks in 
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,21 @@ import torch
 import torch.nn.functional as F
 
 _NAME = "fastckpt.linear_cross_entropy: "
+
+# Backwards run twice through the same graph (fastckpt.optimizer_in_backward's norm pass, then its step pass):
+# while this is non-zero the head hands out scaled copies of its gradients and keeps them for the next backward.
+_repeated_backwards = 0
+
+
+@contextlib.contextmanager
+def backward_repeated() -> Any:
+    """Within it, a backward through the loss head leaves the head's gradients for one more backward."""
+    global _repeated_backwards
+    _repeated_backwards += 1
+    try:
+        yield
+    finally:
+        _repeated_backwards -= 1
 # The default chunk (default_chunk_size says why): about CHUNK_BYTES of fp32 logits and at least MIN_CHUNK tokens
 # (FAST_CHUNK where MIN_CHUNK's are more than CHUNK_BYTES), but at most MAX_CHUNK_BYTES of bf16 logits (the
 # chunk's one [tokens, vocab] buffer) and never fewer than FEWEST_TOKENS; when the weight gradient is computed at
@@ -411,8 +427,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "gradients computed in the forward are handed out, scaled in place, by the first; compute the "
                 "loss again for another backward"
             )
-        grads, ctx.grads = ctx.grads, None  # released here, so that autograd may take the tensors without a copy
         factor = grad_output if ctx.scale is None else grad_output * ctx.scale
+        if _repeated_backwards:  # another backward follows: copies, the gradients kept
+            copies = [None if g is None else g.to(d, copy=True).mul_(factor) for g, d in zip(ctx.grads, ctx.dtypes,
+                                                                                              strict=True)]  # fmt: skip
+            return (*copies, None, None, None)
+        grads, ctx.grads = ctx.grads, None  # released here, so that autograd may take the tensors without a copy
         out = [
             None if grad is None else grad.to(dtype).mul_(factor) for grad, dtype in zip(grads, ctx.dtypes, strict=True)
         ]

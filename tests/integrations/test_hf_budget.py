@@ -408,3 +408,68 @@ def test_trainers_steps_after_the_first_batch_plan_stay_within_its_budget(tmp_pa
     plan = hf.planned(model)
     # The first step planned (the planner's runs measure every candidate); the later ones run the plan.
     assert plan is not None and len(peaks) == 3 and max(peaks[1:]) <= plan.budget
+
+
+class _IterationTotals(transformers.TrainerCallback):
+    """Each Trainer iteration's device total after the first (planning) one: what is live at its start (the
+    weights, the optimizer's state) plus the peak from its first forward to after its zero_grad, the optimizer's
+    step and clipping included (fastckpt.memory's profiler replay, outside the planner)."""
+
+    def __init__(self) -> None:
+        self.totals: list[int] = []
+        self.trace: fastckpt.memory.MemoryTrace | None = None
+        self.live = 0
+
+    def on_step_begin(self, args, state, control, model=None, optimizer=None, **kwargs):
+        if state.global_step == 0:
+            return  # the first iteration plans
+        tensors = [*model.parameters(), *(t for s in optimizer.state.values() for t in s.values())]
+        self.live = sum(t.untyped_storage().nbytes() for t in tensors if isinstance(t, torch.Tensor))
+        self.trace = fastckpt.memory.MemoryTrace("cpu").__enter__()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trace is not None:
+            self.trace.__exit__(None, None, None)
+            self.totals.append(self.live + self.trace.peak)
+            self.trace = None
+
+
+def _full_finetune_trainer(tmp_path, budget: str, callbacks: list) -> transformers.Trainer:
+    """A full fine-tune in fp32 under Trainer with AdamW (built by Trainer, after enable) and clipping at 1.0."""
+    torch.manual_seed(0)
+    options = {**FAST, "candidates": ["recompute", "none"]}
+    model = hf.enable(tiny_llama(), loss_head=True, budget=budget, plan_options=options)
+    data = [{k: v[i] for k, v in sample().items()} for _ in range(3) for i in range(2)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True, max_grad_norm=1.0,
+    )  # fmt: skip
+    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
+
+
+def _weights_and_adamw_state() -> tuple[int, int]:
+    weights = sum(p.numel() * p.element_size() for p in tiny_llama().parameters())
+    return weights, 2 * weights
+
+
+def test_a_device_total_under_trainer_counts_the_optimizer_trainer_builds(tmp_path):
+    """Trainer builds its optimizer after enable(); the first-batch plan finds it, so a device total counts its
+    state: a budget that the weights, AdamW's state and half the gradients fill is refused naming the state,
+    where before it was planned as if the state did not exist and the loop ran far above it."""
+    weights, state = _weights_and_adamw_state()
+    budget = f"{weights + state + weights // 2}B"
+    with pytest.raises(ValueError, match=r"optimizer state 1\.\d\d MiB"):
+        _full_finetune_trainer(tmp_path, budget, []).train()
+
+
+def test_the_loop_under_trainer_stays_within_a_device_total(tmp_path):
+    """A total that fits stock checkpointing with AdamW's state counted, and 'no checkpointing' everywhere only
+    without it: the loop's iterations stay within the total."""
+    weights, state = _weights_and_adamw_state()
+    probe = hf.enable(tiny_llama(), loss_head=True, policy="recompute").train()
+    stock = fastckpt.memory.peak_bytes(lambda: probe(**sample()).loss.backward())
+    budget = weights + state + int(stock * 1.2)
+    measured = _IterationTotals()
+    trainer = _full_finetune_trainer(tmp_path, f"{budget}B", [measured])
+    trainer.train()
+    assert len(measured.totals) == 2 and max(measured.totals) <= budget, (measured.totals, budget)

@@ -253,6 +253,7 @@ class _FirstBatchPlan:
             )
         device = next(pretrained.parameters()).device
         autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        options = cls._with_optimizer(budget, options, module)
         # The step after planning computes what it would have: the planner's runs leave the gradients as they
         # found them (fastckpt.planner.iteration) and the RNG state is forked.
         pretrained.__dict__[cls.PLANNING] = True
@@ -269,6 +270,29 @@ class _FirstBatchPlan:
         pretrained.__dict__[cls.PLANS] = [*kept, (shapes, plan)]
         pretrained.__dict__[cls.PLAN] = plan
         _logger.info("fastckpt.integrations.hf: planned for budget %r:\n%s", budget, plan.table())
+
+
+    @staticmethod
+    def _with_optimizer(budget: Any, options: dict, module: torch.nn.Module) -> dict:
+        """`options` with the loop's optimizer for a device total: its state and its step's temporaries count.
+        Trainer builds the optimizer after `enable`, so unless plan_options names one it is found (the one
+        holding the model's parameters); without one the total counts no optimizer, which is said once."""
+        from fastckpt.integrations.hf.trainer import find_optimizer
+        from fastckpt.planner.budgets import is_total
+
+        if not is_total(budget) or options.get("optimizer") is not None:
+            return options
+        entry = f"fastckpt.integrations.hf.enable(budget={budget!r})"
+        optimizer = find_optimizer(module, entry)
+        if optimizer is None:
+            warnings.warn(
+                f"{entry}: no optimizer holds the model's parameters at its first training batch, so the device "
+                "total counts no optimizer state; build the optimizer before the first forward, or pass it as "
+                "plan_options={'optimizer': optimizer}",
+                stacklevel=5,
+            )
+            return options
+        return {**options, "optimizer": optimizer}
 
 
 def _covers(planned: dict[str, tuple[int, ...] | None], shapes: dict[str, tuple[int, ...]]) -> bool:

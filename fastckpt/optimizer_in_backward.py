@@ -1,0 +1,320 @@
+"""`fastckpt.optimizer_in_backward`: each parameter's optimizer step taken as soon as its gradient is complete,
+during the backward, and the gradient freed at once.
+
+A full fine-tune's backward ends with every parameter's gradient alive (as many bytes as the weights), and the
+optimizer's `foreach` step adds temporaries of that size again; activation checkpointing reaches neither. With
+the step in the backward (a post-accumulate-grad hook per parameter) one parameter's gradient exists at a time,
+beside the weights, the optimizer's state and the activations.
+
+    optimizer = fastckpt.optimizer_in_backward(torch.optim.AdamW(model.parameters()), max_grad_norm=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, ...)   # drives the wrapped optimizer's groups
+    for batch in loader:
+        optimizer.backward(model(**batch).loss)   # the norm pass, then the step pass (loss.backward() without clipping)
+        optimizer.step()                          # steps what the backward left (nothing, in the usual case)
+        scheduler.step()
+        optimizer.zero_grad()
+
+What the plain loop does between the backward and its step is kept, not silently dropped:
+
+- clipping by the global norm (`max_grad_norm`, as `torch.nn.utils.clip_grad_norm_`) needs every gradient's norm
+  before the first step: `backward(loss)` runs the backward twice through the same graph, first computing the
+  norms (each gradient freed as it is measured), then stepping with the clipped gradients (the cost: one more
+  backward, with its recomputation). A plain `loss.backward()` with clipping keeps the gradients and `step()`
+  clips and steps them (correct, no memory saved; a warning says so once).
+- gradient accumulation (`accumulation_steps=N`): a parameter is stepped in the backward that brings its Nth
+  gradient since the last `step()`; the earlier ones accumulate as usual (the memory of the gradients is then
+  kept between micro-steps, as in the plain loop). `step()` steps any gradient left (a shorter last
+  accumulation), clipped over all of them when clipping.
+- fp16 loss scaling (`torch.amp.GradScaler`) is refused: the parameters would be stepped with scaled gradients
+  before the scaler could look for an overflow. bf16 needs no scaler.
+- several ranks (DDP, FSDP2, DeepSpeed) are refused: their gradient is reduced across ranks after the hook fires.
+- a parameter whose gradient arrives in two parts within one backward (used by two reentrant checkpoints) is
+  refused when the second part arrives.
+
+The wrapped optimizer is stepped one parameter at a time (its `param_groups` narrowed to that parameter's
+group holding it alone), so its state, `state_dict()` and `load_state_dict()` are the plain optimizer's; any
+`torch.optim.Optimizer` built from parameter groups works (not LBFGS, whose step needs the loss again).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from fastckpt.loss import backward_repeated
+
+_NAME = "fastckpt.optimizer_in_backward"
+
+
+class OptimizerInBackward(torch.optim.Optimizer):
+    """A torch optimizer stepped from the backward, one parameter at a time (the module docstring); a
+    `torch.optim.Optimizer` itself, so LR schedulers, accelerate and Trainer take it. `param_groups`, `state` and
+    `defaults` are the wrapped optimizer's. `grad_norm`: the last step's total gradient norm before clipping
+    (with `max_grad_norm`), as `clip_grad_norm_` returns it."""
+
+    # GradScaler.step hands such an optimizer its scale (`grad_scale`, `found_inf`) instead of unscaling and checking
+    # gradients that no longer exist: step() sees it and refuses.
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None, accumulation_steps: int = 1
+    ) -> None:
+        # torch.optim.Optimizer.__init__ is not called: the groups and the state are the wrapped optimizer's.
+        _check(optimizer, max_grad_norm, accumulation_steps)
+        self.optimizer = optimizer
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.accumulation_steps = accumulation_steps
+        self.grad_norm: torch.Tensor | None = None
+        self._arrivals: dict[torch.Tensor, int] = {}  # gradients accumulated per parameter since the last step()
+        self._stepped: set[torch.Tensor] = set()  # parameters stepped since the last step()
+        self._norms: dict[torch.Tensor, torch.Tensor] | None = None  # the norm pass's, per parameter
+        self._clip: torch.Tensor | None = None  # the step pass's clipping coefficient
+        self._warned_kept = False
+        self._groups: tuple[int, int] | None = None  # (id, length) of the param_groups list the index was built on
+        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._parameters()]
+
+    # The wrapped optimizer's groups, state and defaults (its load_state_dict replaces the objects: read them live).
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        self.optimizer.state = state
+
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, defaults: dict[str, Any]) -> None:
+        self.optimizer.defaults = defaults
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else the wrapped optimizer has (a schedule-free optimizer's train()/eval(), ...).
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return (
+            f"OptimizerInBackward({self.optimizer!r}, max_grad_norm={self.max_grad_norm}, "
+            f"accumulation_steps={self.accumulation_steps})"
+        )
+
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """`loss.backward(**kwargs)`, stepping each parameter as its gradient completes. With `max_grad_norm` and
+        no gradients held from earlier micro-steps, a first backward through the same graph computes the norm
+        (its gradients freed as they are measured), then the second steps with the clipped gradients."""
+        if self.max_grad_norm is None or self.accumulation_steps > 1 or self._held():
+            loss.backward(**kwargs)
+            return
+        self._norms = {}
+        try:
+            with backward_repeated():
+                loss.backward(**{**kwargs, "retain_graph": True})
+            normed, self._norms = self._norms, None
+        finally:
+            self._norms = None
+        self.grad_norm = _total_norm([normed[p] for p in self._parameters() if p in normed])
+        self._clip = _clip_coefficient(self.max_grad_norm, self.grad_norm)
+        try:
+            loss.backward(**kwargs)
+        finally:
+            self._clip = None
+        missing = [p for p in normed if p not in self._stepped]
+        if missing or any(p not in normed for p in self._stepped):
+            raise RuntimeError(
+                f"{_NAME}: the norm pass and the step pass reached different parameters ({len(normed)} and "
+                f"{len(self._stepped)}): the backward is not repeatable (a hook or a graph that changes between "
+                "two backwards); clip with step() instead: loss.backward(), then optimizer.step()"
+            )
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Step the parameters whose gradients the backward left (a shorter accumulation, clipping without
+        `backward()`), clipped over all of them with `max_grad_norm`; then a new iteration begins."""
+        if closure is not None:
+            raise ValueError(f"{_NAME}: step() takes no closure: the parameters are stepped during the backward")
+        if self.__dict__.get("grad_scale") is not None or self.__dict__.get("found_inf") is not None:
+            raise RuntimeError(
+                f"{_NAME}: fp16 loss scaling (torch.amp.GradScaler) is not supported: the parameters were stepped "
+                "during the backward with scaled gradients, before the scaler could look for an overflow; train "
+                "in bf16 (no scaler), or use the plain optimizer"
+            )
+        pending = [p for p in self._parameters() if p.grad is not None and p not in self._stepped]
+        if pending and self.max_grad_norm is not None:
+            self.grad_norm = _total_norm([torch.linalg.vector_norm(p.grad) for p in pending])
+            torch._foreach_mul_([p.grad for p in pending], _clip_coefficient(self.max_grad_norm, self.grad_norm))
+        for p in pending:
+            self._step_parameter(p)
+        self._new_iteration()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The wrapped optimizer's zero_grad; a new iteration begins (gradients held are discarded)."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        self._new_iteration()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+        self._groups = None
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+        self._handles += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in param_group["params"]]
+
+    def remove(self) -> None:
+        """Take the hooks off: the wrapped optimizer steps as a plain one again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _parameters(self) -> Iterable[torch.Tensor]:
+        return (p for group in self.optimizer.param_groups for p in group["params"])
+
+    def _held(self) -> bool:
+        """Whether gradients from earlier micro-steps are held (not yet stepped)."""
+        return any(p.grad is not None for p in self._parameters() if p not in self._stepped)
+
+    def _new_iteration(self) -> None:
+        self._arrivals.clear()
+        self._stepped.clear()
+
+    @torch.no_grad()
+    def _on_gradient(self, p: torch.Tensor) -> None:
+        if self._norms is not None:  # the norm pass: measured, then freed
+            self._norms[p] = torch.linalg.vector_norm(p.grad)
+            p.grad = None
+            return
+        if p in self._stepped:
+            raise RuntimeError(
+                f"{_NAME}: a parameter of shape {tuple(p.shape)} received a gradient after it was stepped in this "
+                "iteration: either its gradient arrives in parts within one backward (a parameter used by two "
+                "reentrant checkpoints: use use_reentrant=False) or a second backward ran before optimizer.step() "
+                f"(gradient accumulation: pass accumulation_steps=N to {_NAME})"
+            )
+        self._arrivals[p] = arrivals = self._arrivals.get(p, 0) + 1
+        if arrivals < self.accumulation_steps:
+            return  # accumulated, as in the plain loop
+        if self.max_grad_norm is not None:
+            if self._clip is None:  # the norm is not known: kept for step(), which clips and steps
+                self._warn_kept()
+                return
+            p.grad.mul_(self._clip)
+        self._step_parameter(p)
+
+    def _step_parameter(self, p: torch.Tensor) -> None:
+        """The wrapped optimizer's step for `p` alone (its group narrowed to it), then its gradient freed."""
+        optimizer, group = self.optimizer, self._group(p)
+        groups, params = optimizer.param_groups, group["params"]
+        group["params"], optimizer.param_groups = [p], [group]
+        try:
+            optimizer.step()
+        finally:
+            group["params"], optimizer.param_groups = params, groups
+        p.grad = None
+        self._stepped.add(p)
+
+    def _group(self, p: torch.Tensor) -> dict[str, Any]:
+        groups = self.optimizer.param_groups
+        if self._groups != (id(groups), len(groups)):
+            self._group_of = {q: group for group in groups for q in group["params"]}
+            self._groups = (id(groups), len(groups))
+        return self._group_of[p]
+
+    def _warn_kept(self) -> None:
+        if self.accumulation_steps == 1 and not self._warned_kept:
+            self._warned_kept = True
+            warnings.warn(
+                f"{_NAME}: with max_grad_norm, loss.backward() cannot step in the backward (the norm needs every "
+                "gradient first): the gradients are kept and optimizer.step() clips and steps them, saving no "
+                "memory; call optimizer.backward(loss) instead",
+                stacklevel=3,
+            )
+
+
+def optimizer_in_backward(
+    optimizer: torch.optim.Optimizer, *, max_grad_norm: float | None = None, accumulation_steps: int = 1
+) -> OptimizerInBackward:
+    """Step `optimizer` during the backward, one parameter at a time as its gradient completes, freeing it.
+
+    Args:
+        optimizer: any torch.optim.Optimizer built from parameter groups (SGD, Adam, AdamW with for-loop,
+            foreach or fused kernels, ...); its state and state_dict stay its own.
+        max_grad_norm: clip by the global L2 norm of all gradients, exactly as `clip_grad_norm_` before
+            `step()` would; call `.backward(loss)` so that the norm is known before the first step.
+        accumulation_steps: micro-steps per optimizer step; a parameter is stepped in the backward of its last.
+
+    Returns:
+        An OptimizerInBackward: keep calling its `step()` and `zero_grad()` (and an LR scheduler built on it);
+        `remove()` takes its hooks off.
+
+    Example:
+        optimizer = fastckpt.optimizer_in_backward(torch.optim.AdamW(model.parameters()), max_grad_norm=1.0)
+        optimizer.backward(model(x).loss); optimizer.step(); optimizer.zero_grad()
+    """
+    return OptimizerInBackward(optimizer, max_grad_norm=max_grad_norm, accumulation_steps=accumulation_steps)
+
+
+def _total_norm(norms: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of the per-parameter norms, as torch.nn.utils.clip_grad_norm_ combines them."""
+    if not norms:
+        return torch.tensor(0.0)
+    device = norms[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(device) for n in norms]))
+
+
+def _clip_coefficient(max_norm: float, total: torch.Tensor) -> torch.Tensor:
+    """clip_grad_norm_'s factor: max_norm / (total + 1e-6), at most 1."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def _check(optimizer: Any, max_grad_norm: Any, accumulation_steps: Any) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, OptimizerInBackward):
+        raise TypeError(
+            f"{_NAME}: `optimizer` must be a torch.optim.Optimizer (not already stepped in the backward), got "
+            f"{type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(
+            f"{_NAME}: LBFGS cannot be stepped in the backward: its step evaluates the loss again (a closure) over "
+            "all parameters at once"
+        )
+    if max_grad_norm is not None and (
+        isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0
+        or not math.isfinite(max_grad_norm)
+    ):  # fmt: skip
+        raise ValueError(f"{_NAME}: `max_grad_norm` must be a positive finite number or None, got {max_grad_norm!r}")
+    if isinstance(accumulation_steps, bool) or not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+        raise ValueError(f"{_NAME}: `accumulation_steps` must be an int >= 1, got {accumulation_steps!r}")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(
+            f"{_NAME}: not under torch.distributed with {dist.get_world_size()} ranks: DDP, FSDP2 and DeepSpeed "
+            "reduce a gradient across ranks after its accumulation hook fires, so the step would use this rank's "
+            "gradient alone; use the plain optimizer there"
+        )
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if hasattr(p, "ds_id") or type(p).__name__ == "DTensor":
+                raise ValueError(
+                    f"{_NAME}: the parameters are managed by {'DeepSpeed ZeRO' if hasattr(p, 'ds_id') else 'FSDP2'}"
+                    ", which reduces and shards their gradients after the accumulation hook fires; use the plain "
+                    "optimizer there"
+                )
