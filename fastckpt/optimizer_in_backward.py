@@ -71,8 +71,10 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self.grad_norm: torch.Tensor | None = None
         self._arrivals: dict[torch.Tensor, int] = {}  # gradients accumulated per parameter since the last step()
         self._stepped: set[torch.Tensor] = set()  # parameters stepped since the last step()
-        self._norms: dict[torch.Tensor, torch.Tensor] | None = None  # the norm pass's, per parameter
+        self._measured: dict[torch.Tensor, torch.Tensor] = {}  # norms of this iteration's stepped gradients
+        self._norm_pass = False  # the first of backward()'s two passes runs: gradients measured, then freed
         self._clip: torch.Tensor | None = None  # the step pass's clipping coefficient
+        self._clipped = False  # the held gradients were clipped by clip_grad_norm_ in this iteration
         self._warned_kept = False
         self._groups: tuple[int, int] | None = None  # (id, length) of the param_groups list the index was built on
         self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
@@ -122,21 +124,19 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if self.max_grad_norm is None or self.accumulation_steps > 1 or self._held():
             loss.backward(**kwargs)
             return
-        self._norms = {}
+        self._norm_pass = True
         try:
             with backward_repeated():
                 loss.backward(**{**kwargs, "retain_graph": True})
-            normed, self._norms = self._norms, None
         finally:
-            self._norms = None
-        self.grad_norm = _total_norm([normed[p] for p in self._parameters() if p in normed])
-        self._clip = _clip_coefficient(self.max_grad_norm, self.grad_norm)
+            self._norm_pass = False
+        normed = dict(self._measured)
+        self._clip = _clip_coefficient(self.max_grad_norm, self._total(normed))
         try:
             loss.backward(**kwargs)
         finally:
             self._clip = None
-        missing = [p for p in normed if p not in self._stepped]
-        if missing or any(p not in normed for p in self._stepped):
+        if any(p not in self._stepped for p in normed) or any(p not in normed for p in self._stepped):
             raise RuntimeError(
                 f"{_NAME}: the norm pass and the step pass reached different parameters ({len(normed)} and "
                 f"{len(self._stepped)}): the backward is not repeatable (a hook or a graph that changes between "
@@ -155,13 +155,35 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "during the backward with scaled gradients, before the scaler could look for an overflow; train "
                 "in bf16 (no scaler), or use the plain optimizer"
             )
-        pending = [p for p in self._parameters() if p.grad is not None and p not in self._stepped]
-        if pending and self.max_grad_norm is not None:
-            self.grad_norm = _total_norm([torch.linalg.vector_norm(p.grad) for p in pending])
-            torch._foreach_mul_([p.grad for p in pending], _clip_coefficient(self.max_grad_norm, self.grad_norm))
+        pending = self._pending()
+        if pending and self.max_grad_norm is not None and not self._clipped:
+            self.clip_grad_norm_(self.max_grad_norm)
+        elif pending or self._measured:
+            self.grad_norm = self._total({**self._measured, **{p: torch.linalg.vector_norm(p.grad) for p in pending}})
         for p in pending:
             self._step_parameter(p)
         self._new_iteration()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ over this iteration's gradients, those stepped in the backward (measured
+        then) and those still held (clipped here): the total norm before clipping. Trainer's clipping lands here
+        (`hf.enable(optimizer_in_backward=True)`), since after a step in the backward `.grad` is None."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"{_NAME}: clip_grad_norm_ computes the L2 norm (norm_type=2), got {norm_type!r}")
+        held = self._pending()
+        self.grad_norm = total = self._total({**self._measured, **{p: torch.linalg.vector_norm(p.grad) for p in held}})
+        if not math.isfinite(max_norm):
+            return total
+        if self._stepped and self.max_grad_norm is None and bool(total > max_norm):
+            raise RuntimeError(
+                f"{_NAME}: clipping at {max_norm} was asked for after parameters were stepped unclipped in the "
+                f"backward (total norm {float(total):.4g}); pass max_grad_norm={max_norm} to {_NAME}"
+            )
+        if held:
+            torch._foreach_mul_([p.grad for p in held], _clip_coefficient(max_norm, total))
+            self._clipped = True
+        return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The wrapped optimizer's zero_grad; a new iteration begins (gradients held are discarded)."""
@@ -188,18 +210,28 @@ class OptimizerInBackward(torch.optim.Optimizer):
     def _parameters(self) -> Iterable[torch.Tensor]:
         return (p for group in self.optimizer.param_groups for p in group["params"])
 
+    def _pending(self) -> list[torch.Tensor]:
+        """The parameters holding a gradient not yet stepped in this iteration."""
+        return [p for p in self._parameters() if p.grad is not None and p not in self._stepped]
+
     def _held(self) -> bool:
         """Whether gradients from earlier micro-steps are held (not yet stepped)."""
-        return any(p.grad is not None for p in self._parameters() if p not in self._stepped)
+        return bool(self._pending())
+
+    def _total(self, norms: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The total norm of per-parameter norms, combined in the parameters' order (as clip_grad_norm_ would)."""
+        return _total_norm([norms[p] for p in self._parameters() if p in norms])
 
     def _new_iteration(self) -> None:
         self._arrivals.clear()
         self._stepped.clear()
+        self._measured = {}
+        self._clipped = False
 
     @torch.no_grad()
     def _on_gradient(self, p: torch.Tensor) -> None:
-        if self._norms is not None:  # the norm pass: measured, then freed
-            self._norms[p] = torch.linalg.vector_norm(p.grad)
+        if self._norm_pass:  # measured, then freed
+            self._measured[p] = torch.linalg.vector_norm(p.grad)
             p.grad = None
             return
         if p in self._stepped:
@@ -217,6 +249,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self._warn_kept()
                 return
             p.grad.mul_(self._clip)
+        else:
+            self._measured[p] = torch.linalg.vector_norm(p.grad)  # for clip_grad_norm_ and grad_norm
         self._step_parameter(p)
 
     def _step_parameter(self, p: torch.Tensor) -> None:

@@ -393,3 +393,21 @@ def _assert_same_metrics(got_logs: list[dict], want_logs: list[dict]) -> None:
         for key, value in want.items():
             if isinstance(value, float) and key not in ("learning_rate", "epoch") and "time" not in key:
                 assert got[key] == pytest.approx(value, rel=1e-3, abs=1e-5), key
+
+
+@pytest.mark.parametrize("name", ["right", "accumulation", "lora_config"])
+def test_sft_trainer_steps_its_optimizer_in_the_backward(tokenizer, kernels, name):
+    """hf.enable(optimizer_in_backward=True) under SFTTrainer: TRL's clipping (max_grad_norm 1.0), accumulation
+    and scheduler honoured, so every logged metric (grad_norm among them) and the trained weights are those of
+    the same run with the plain optimizer step."""
+    case = CASES[name]
+    plain, reference = _train(tokenizer, HEAD, case)
+    trainer, stepped = _train(tokenizer, {**HEAD, "optimizer_in_backward": True}, case)
+    assert trainer.optimizer.optimizer.__class__.__name__ == "OptimizerInBackward"
+    assert [sorted(e) for e in stepped] == [sorted(e) for e in reference] and "grad_norm" in reference[0]
+    for got, want in zip(stepped, reference, strict=True):
+        for key, value in want.items():
+            if "runtime" not in key and "per_second" not in key:
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for (name_, p), q in zip(trainer.model.named_parameters(), plain.model.parameters(), strict=True):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-7), name_

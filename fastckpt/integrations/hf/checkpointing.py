@@ -29,6 +29,7 @@ from fastckpt.integrations.hf.adapters import _AdapterInputCasts
 from fastckpt.integrations.hf.loss_head import _LossHead
 from fastckpt.integrations.hf.planning import _FirstBatchPlan
 from fastckpt.integrations.hf.pretrained import _pretrained_model
+from fastckpt.integrations.hf.trainer import _StepInBackward
 from fastckpt.policies import Policy
 
 # The keywords fastckpt.checkpoint takes besides the function and its arguments.
@@ -137,6 +138,7 @@ def enable(
     padded_attention: bool = False,
     budget: int | str | None = None,
     plan_options: dict[str, Any] | None = None,
+    optimizer_in_backward: bool = False,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Turn on gradient checkpointing of a transformers model through fastckpt; returns `model`.
@@ -172,6 +174,12 @@ def enable(
     `gradient_checkpointing_kwargs={"budget": "40%"}` after `enable(model)`. `plan_options` go to `measure`
     (default max_error=PLAN_MAX_ERROR: the forms whose gradients differ from the plain step's by more are
     left out). With `loss_head=True` the plan also chooses the loss head's tokens per chunk.
+
+    `optimizer_in_backward=True`: the transformers Trainer (or TRL trainer) training the model steps its
+    optimizer during the backward, each parameter as its gradient completes, freeing the gradient
+    (fastckpt.optimizer_in_backward, found at the first training batch): Trainer's `max_grad_norm` clips exactly
+    (a norm pass first: one more backward), `gradient_accumulation_steps` and its scheduler are honoured, and
+    the logged `grad_norm` is the gradients'. fp16 (GradScaler), DeepSpeed and several ranks are refused.
     """
     pretrained = _pretrained_model(model)
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
@@ -180,6 +188,11 @@ def enable(
         )
     if not isinstance(loss_head, bool):
         raise TypeError(f"fastckpt.integrations.hf.enable: `loss_head` must be True or False, got {loss_head!r}")
+    if not isinstance(optimizer_in_backward, bool):
+        raise TypeError(
+            "fastckpt.integrations.hf.enable: `optimizer_in_backward` must be True or False, got "
+            f"{optimizer_in_backward!r}"
+        )
     if not isinstance(padded_attention, bool):
         raise TypeError(
             f"fastckpt.integrations.hf.enable: `padded_attention` must be True or False, got {padded_attention!r}"
@@ -216,6 +229,10 @@ def enable(
         _LossHead.remove(pretrained)
         trl_head.stop(pretrained)
     _AdapterInputCasts.install(pretrained)
+    if optimizer_in_backward:
+        _StepInBackward.install(pretrained, model)
+    else:
+        _StepInBackward.remove(pretrained)
     return model
 
 
@@ -228,6 +245,7 @@ def disable(model: Any) -> Any:
     trl_head.stop(pretrained)
     attention.remove(pretrained)
     _AdapterInputCasts.remove(pretrained)
+    _StepInBackward.remove(pretrained)
     pretrained.__dict__.pop("activation_checkpointing_enable", None)
     pretrained.__dict__.pop("_fastckpt_settings", None)
     pretrained.activation_checkpointing_disable()

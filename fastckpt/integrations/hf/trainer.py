@@ -51,11 +51,126 @@ def find_optimizer(model: torch.nn.Module, entry: str) -> torch.optim.Optimizer 
 
 
 def find_trainer(model: torch.nn.Module) -> Any:
-    """The transformers Trainer training `model` (or the model wrapping it), or None."""
+    """The transformers Trainer training `model`, directly or through wrappers (a PEFT model TRL made from it,
+    DDP's `.module`), or None."""
     import transformers
 
     for trainer in _live(transformers.Trainer):
-        held = {id(getattr(trainer, name, None)) for name in ("model", "model_wrapped")}
-        if id(model) in held:
+        if any(id(model) in _wrapped(getattr(trainer, name, None)) for name in ("model", "model_wrapped")):
             return trainer
     return None
+
+
+def _wrapped(model: Any) -> set[int]:
+    """Ids of `model` and of the models it wraps (`.module`, PEFT's `get_base_model()`)."""
+    ids = set()
+    for _ in range(4):
+        if model is None or id(model) in ids:
+            break
+        ids.add(id(model))
+        inner = getattr(model, "module", None)
+        if inner is None and callable(getattr(model, "get_base_model", None)):
+            inner = model.get_base_model()
+        model = inner
+    return ids
+
+
+class _StepInBackward:
+    """`enable(model, optimizer_in_backward=True)`: the Trainer (or TRL trainer) training the model steps its
+    optimizer in the backward (fastckpt.optimizer_in_backward) with its own settings: `max_grad_norm` (clipping,
+    exact: the backward runs a norm pass first), `gradient_accumulation_steps`, its scheduler (which drives the
+    optimizer's groups, shared). Found at the first training forward (a forward pre-hook, as the first-batch
+    plan), where Trainer has built its optimizer; then three of accelerate's objects route through the wrapper:
+    the accelerated optimizer's `.optimizer` (Trainer's `optimizer.step()`), the accelerator's `backward` (the norm
+    pass) and its `clip_grad_norm_` (Trainer's clipping and its logged `grad_norm`, over gradients that no longer
+    exist as `.grad`). fp16 (a GradScaler) and DeepSpeed are refused."""
+
+    KEY = "_fastckpt_step_in_backward"  # on the PreTrainedModel: the hook's handle, then the attached state
+
+    @classmethod
+    def install(cls, pretrained: torch.nn.Module, outer: torch.nn.Module) -> None:
+        cls.remove(pretrained)
+        pretrained.__dict__[cls.KEY] = {"hook": outer.register_forward_pre_hook(cls._training_forward)}
+
+    @classmethod
+    def remove(cls, pretrained: torch.nn.Module) -> None:
+        state = pretrained.__dict__.pop(cls.KEY, None)
+        if state is None:
+            return
+        state["hook"].remove()
+        if "handle" in state:
+            cls._detach(state)
+
+    @classmethod
+    def wrapper(cls, pretrained: torch.nn.Module) -> Any:
+        """The OptimizerInBackward stepping the model's Trainer's optimizer, or None before the first batch."""
+        return pretrained.__dict__.get(cls.KEY, {}).get("handle")
+
+    @classmethod
+    def _training_forward(cls, module: torch.nn.Module, args: tuple) -> None:
+        from fastckpt.integrations.hf.pretrained import _pretrained_model
+
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        state = _pretrained_model(module).__dict__[cls.KEY]
+        if "handle" in state:
+            return
+        trainer = find_trainer(module)
+        if trainer is None or getattr(trainer, "optimizer", None) is None:
+            raise ValueError(
+                "fastckpt.integrations.hf.enable(optimizer_in_backward=True): no transformers Trainer (or TRL "
+                "trainer) with an optimizer is training this model; in your own loop wrap the optimizer instead: "
+                "fastckpt.optimizer_in_backward(optimizer, max_grad_norm=..., accumulation_steps=...)"
+            )
+        state.update(cls._attach(trainer))
+
+    @staticmethod
+    def _attach(trainer: Any) -> dict[str, Any]:
+        import functools
+
+        from accelerate.utils import DistributedType
+
+        from fastckpt.optimizer_in_backward import OptimizerInBackward
+
+        accelerator, args = trainer.accelerator, trainer.args
+        entry = "fastckpt.integrations.hf.enable(optimizer_in_backward=True)"
+        if accelerator.scaler is not None:
+            raise ValueError(
+                f"{entry}: fp16 training (a GradScaler) cannot step in the backward: the parameters would be "
+                "stepped with scaled gradients before the overflow check; use bf16=True"
+            )
+        if accelerator.distributed_type == DistributedType.DEEPSPEED:
+            raise ValueError(f"{entry}: DeepSpeed steps its own optimizer on its partitioned gradients; not supported")
+        # the object whose .optimizer is the optimizer owning the state (accelerate's wrapper), or the trainer
+        owner = trainer
+        while isinstance(getattr(owner.optimizer, "optimizer", None), torch.optim.Optimizer):
+            owner = owner.optimizer
+        inner = owner.optimizer
+        max_grad_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
+        handle = OptimizerInBackward(
+            inner, max_grad_norm=max_grad_norm, accumulation_steps=args.gradient_accumulation_steps
+        )
+        owner.optimizer = handle
+
+        def backward(loss: torch.Tensor, **kwargs: Any) -> None:
+            # accelerate's backward for a run without DeepSpeed, Megatron, a scaler or LOMO: the loss divided by
+            # its own accumulation steps (1 under Trainer, which divides itself), then the backward
+            handle.backward(loss / accelerator.gradient_accumulation_steps, **kwargs)
+
+        accelerator.backward = backward
+        accelerator.clip_grad_norm_ = functools.partial(_clip_grad_norm, handle)
+        return {"handle": handle, "owner": owner, "inner": inner, "accelerator": accelerator}
+
+    @staticmethod
+    def _detach(state: dict[str, Any]) -> None:
+        state["handle"].remove()
+        if state["owner"].optimizer is state["handle"]:
+            state["owner"].optimizer = state["inner"]
+        for name in ("backward", "clip_grad_norm_"):
+            state["accelerator"].__dict__.pop(name, None)
+
+
+def _clip_grad_norm(handle: Any, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """accelerate's `clip_grad_norm_(parameters, max_norm)` for the optimizer stepped in the backward (its own
+    parameters: Trainer passes the model's)."""
+    return handle.clip_grad_norm_(max_norm, norm_type)
