@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from fastckpt.optimizer_in_backward import OptimizerInBackward
+
 UNITS = {
     "b": 1,
     "kb": 10**3,
@@ -134,6 +136,8 @@ def _nbytes(tensors: Any, device: torch.device, seen: set[int]) -> int:
 
 def _pending_state(optimizer: Any, device: torch.device) -> int:
     """Bytes the first step of `optimizer` allocates for the parameters that have no state yet (0 if unknown)."""
+    if isinstance(optimizer, OptimizerInBackward):  # its state is the wrapped optimizer's
+        optimizer = optimizer.optimizer
     total = 0
     for group in optimizer.param_groups:
         slots = _STATE_SLOTS.get(type(optimizer).__name__, 0)

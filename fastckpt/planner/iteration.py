@@ -12,7 +12,8 @@ not touched). With gradient accumulation under `set_to_none`, the first micro-st
 gradients, and it is the step the planner measures: the later micro-steps peak lower.
 
 With an `optimizer`, every run is the whole iteration: the step, then `optimizer.step()` (its temporaries,
-`foreach` buffers). The parameters are put back after each run (a host copy taken when a session starts), and the
+`foreach` buffers). A fastckpt.OptimizerInBackward keeps its hooks: the runs step each parameter in the backward,
+as the loop will (the step should then call its `backward(loss)`, which clips exactly). The parameters are put back after each run (a host copy taken when a session starts), and the
 optimizer's state as it was when the session ends (state the session allocated is dropped), so planning neither
 trains the model nor moves the optimizer.
 """
@@ -26,6 +27,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from fastckpt.optimizer_in_backward import OptimizerInBackward
 
 GRADIENT_CONVENTIONS = ("set_to_none", "kept")
 
@@ -41,21 +44,25 @@ def check_gradients(gradients: Any) -> None:
 
 
 @contextlib.contextmanager
-def grad_hooks_suspended(model: nn.Module) -> Iterator[None]:
+def grad_hooks_suspended(model: nn.Module, keep: Any = None) -> Iterator[None]:
     """The parameters' post-accumulate-grad hooks taken off for the duration: what runs there (DeepSpeed ZeRO's
     gradient reduction, an optimizer stepped in the backward) belongs to training steps, not to the planner's
-    (a planning step would reduce a gradient twice, or move the parameters)."""
+    (a planning step would reduce a gradient twice, or move the parameters). The hooks of `keep` (methods of
+    that object: the planner's own fastckpt.OptimizerInBackward, whose steps the runs measure) stay."""
     suspended = []
     for p in model.parameters():
         hooks = getattr(p, "_post_accumulate_grad_hooks", None)  # the dict autograd reads: emptied, refilled
         if hooks:
             suspended.append((hooks, dict(hooks)))
+            kept = {key: hook for key, hook in hooks.items() if keep is not None and getattr(hook, "__self__", None)
+                    is keep}  # fmt: skip
             hooks.clear()
+            hooks.update(kept)
     try:
         yield
     finally:
         for hooks, saved in suspended:
-            added = dict(hooks)  # registered meanwhile: kept, after the earlier ones
+            added = {key: hook for key, hook in hooks.items() if key not in saved}  # registered meanwhile: kept
             hooks.clear()
             hooks.update(saved)
             hooks.update(added)
@@ -85,7 +92,8 @@ class Iteration:
         return self.gradients == "kept" or self.optimizer is not None
 
     def __call__(self) -> Any:
-        with grad_hooks_suspended(self.model):
+        stepping = self.optimizer if isinstance(self.optimizer, OptimizerInBackward) else None
+        with grad_hooks_suspended(self.model, keep=stepping):
             callers = [p.grad for p in self.parameters]
             for p, own in zip(self.parameters, self._own, strict=True):
                 p.grad = own

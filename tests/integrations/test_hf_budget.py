@@ -18,7 +18,7 @@ import fastckpt  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
 from fastckpt.integrations.hf import planning  # noqa: E402
 from tests.helpers import trainer_step_peaks  # noqa: E402
-from tests.integrations.test_hf import LAYERS, batch, tiny_llama  # noqa: E402
+from tests.integrations.test_hf import LAYERS, VOCAB, batch, tiny_llama  # noqa: E402
 
 # Two candidates, one repeat, no progress bar: a plan in a few seconds. With "recompute" alone the plan is
 # known (every layer recomputed), so the planned step can be compared with enable(policy="recompute").
@@ -472,4 +472,39 @@ def test_the_loop_under_trainer_stays_within_a_device_total(tmp_path):
     measured = _IterationTotals()
     trainer = _full_finetune_trainer(tmp_path, f"{budget}B", [measured])
     trainer.train()
+    assert len(measured.totals) == 2 and max(measured.totals) <= budget, (measured.totals, budget)
+
+
+def wide_llama() -> torch.nn.Module:
+    """Four layers wide next to the batch's few tokens: the gradients, not the activations, decide what fits."""
+    config = transformers.LlamaConfig(
+        hidden_size=192, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB, max_position_embeddings=64, bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    "candidates, requested", [(["recompute", "none"], False), (["recompute"], False), (["recompute"], True)]
+)
+def test_a_total_only_the_step_in_backward_holds_is_planned_with_it(tmp_path, candidates, requested):
+    """Weights + AdamW's state + half the gradients: no plan fits with the gradients kept to the optimizer's step,
+    so the first-batch plan steps Trainer's optimizer in the backward (a choice about the iteration, made with
+    the per-layer candidates restricted too), and the loop stays within the total, clipping as Trainer asks.
+    Asked for (`optimizer_in_backward=True`), the plan measures the loop with it from the start."""
+    weights = sum(p.numel() * p.element_size() for p in wide_llama().parameters())
+    budget = weights + 2 * weights + weights // 2
+    model = hf.enable(wide_llama(), loss_head=True, budget=f"{budget}B", optimizer_in_backward=requested,
+                      plan_options={**FAST, "candidates": candidates})  # fmt: skip
+    data = [{k: v[i] for k, v in sample().items()} for _ in range(3) for i in range(2)]
+    measured = _IterationTotals()
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, use_cpu=True, report_to=[],
+        save_strategy="no", disable_tqdm=True, max_grad_norm=1.0,
+    )  # fmt: skip
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[measured])
+    trainer.train()
+    stepping = hf.trainer._StepInBackward.wrapper(model)
+    assert stepping is not None and trainer.optimizer.optimizer is stepping and stepping.max_grad_norm == 1.0
     assert len(measured.totals) == 2 and max(measured.totals) <= budget, (measured.totals, budget)

@@ -16,6 +16,8 @@ import torch
 
 from fastckpt.integrations.hf.loss_head import _LossHead, loss_head_enabled
 from fastckpt.integrations.hf.pretrained import _pretrained_model
+from fastckpt.integrations.hf.trainer import _StepInBackward, find_optimizer
+from fastckpt.optimizer_in_backward import OptimizerInBackward
 
 _logger = logging.getLogger("fastckpt")
 
@@ -75,11 +77,15 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
         with torch.autocast(device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
             return model(**inputs)
 
+    stepping = measure_kwargs.get("optimizer")
+    backward = stepping.backward if isinstance(stepping, OptimizerInBackward) else torch.Tensor.backward
+
     def step() -> None:
         # As Trainer's training_step: its compute_loss keeps the loss alone (the outputs, logits among them, are
         # freed before the backward) and divides it by the accumulation steps (a scalar more during the backward).
+        # An optimizer stepped in the backward runs its own backward (the norm pass when it clips).
         loss = forward().loss
-        (loss / 1).backward()
+        backward(loss / 1)
 
     if pretrained.is_activation_checkpointing:
         pretrained.activation_checkpointing_disable()
@@ -253,13 +259,19 @@ class _FirstBatchPlan:
             )
         device = next(pretrained.parameters()).device
         autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        options = cls._with_optimizer(budget, options, module)
+        options = cls._with_optimizer(budget, options, module, pretrained)
         # The step after planning computes what it would have: the planner's runs leave the gradients as they
         # found them (fastckpt.planner.iteration) and the RNG state is forked.
         pretrained.__dict__[cls.PLANNING] = True
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                plan = measure(module, batch, autocast=autocast, **options).plan(budget)
+                try:
+                    plan = measure(module, batch, autocast=autocast, **options).plan(budget)
+                except ValueError:
+                    stepping = cls._in_backward(budget, options, module, pretrained)
+                    if stepping is None:
+                        raise
+                    plan = cls._plan_in_backward(budget, options, module, pretrained, batch, autocast, stepping)
         finally:
             del pretrained.__dict__[cls.PLANNING]
         plan.apply()
@@ -273,17 +285,18 @@ class _FirstBatchPlan:
 
 
     @staticmethod
-    def _with_optimizer(budget: Any, options: dict, module: torch.nn.Module) -> dict:
+    def _with_optimizer(budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module) -> dict:
         """`options` with the loop's optimizer for a device total: its state and its step's temporaries count.
         Trainer builds the optimizer after `enable`, so unless plan_options names one it is found (the one
-        holding the model's parameters); without one the total counts no optimizer, which is said once."""
-        from fastckpt.integrations.hf.trainer import find_optimizer
+        holding the model's parameters; with enable(optimizer_in_backward=True), the Trainer's stepped in the
+        backward); without one the total counts no optimizer, which is said once."""
         from fastckpt.planner.budgets import is_total
 
         if not is_total(budget) or options.get("optimizer") is not None:
             return options
         entry = f"fastckpt.integrations.hf.enable(budget={budget!r})"
-        optimizer = find_optimizer(module, entry)
+        stepping = _StepInBackward.attach(pretrained, module) if _StepInBackward.requested(pretrained) else None
+        optimizer = stepping or find_optimizer(module, entry)
         if optimizer is None:
             warnings.warn(
                 f"{entry}: no optimizer holds the model's parameters at its first training batch, so the device "
@@ -293,6 +306,43 @@ class _FirstBatchPlan:
             )
             return options
         return {**options, "optimizer": optimizer}
+
+    @staticmethod
+    def _in_backward(budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module) -> Any:
+        """Where no plan fits a device total with the optimizer Trainer steps after the backward, the same
+        optimizer stepped in the backward (its gradients never all live): the OptimizerInBackward, attached to
+        the Trainer, or None (not a total, no Trainer, or already stepped in the backward)."""
+        from fastckpt.planner.budgets import is_total
+
+        optimizer = options.get("optimizer")
+        if not is_total(budget) or optimizer is None or isinstance(optimizer, OptimizerInBackward):
+            return None
+        if _StepInBackward.requested(pretrained):
+            return None
+        stepping = _StepInBackward.attach(pretrained, module)
+        if stepping is None or stepping.optimizer is not optimizer:
+            _StepInBackward.remove(pretrained)
+            return None
+        return stepping
+
+    @staticmethod
+    def _plan_in_backward(
+        budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module, batch: dict,
+        autocast: torch.dtype | None, stepping: OptimizerInBackward,
+    ) -> Any:  # fmt: skip
+        """The plan with the optimizer stepped in the backward, which stays attached if one fits (else it is
+        detached, and the error says what that loop would need)."""
+        try:
+            plan = measure(module, batch, autocast=autocast, **{**options, "optimizer": stepping}).plan(budget)
+        except BaseException:
+            _StepInBackward.remove(pretrained)
+            raise
+        _logger.info(
+            "fastckpt.integrations.hf: no plan fits %r with the optimizer stepped after the backward; Trainer's "
+            "optimizer now steps in the backward (fastckpt.optimizer_in_backward: each gradient freed once "
+            "stepped; clipping at %s exact, by a norm pass)", budget, stepping.max_grad_norm,
+        )  # fmt: skip
+        return plan
 
 
 def _covers(planned: dict[str, tuple[int, ...] | None], shapes: dict[str, tuple[int, ...]]) -> bool:

@@ -85,7 +85,7 @@ class _StepInBackward:
     pass) and its `clip_grad_norm_` (Trainer's clipping and its logged `grad_norm`, over gradients that no longer
     exist as `.grad`). fp16 (a GradScaler) and DeepSpeed are refused."""
 
-    KEY = "_fastckpt_step_in_backward"  # on the PreTrainedModel: the hook's handle, then the attached state
+    KEY = "_fastckpt_step_in_backward"  # on the PreTrainedModel: {"hook": enable's hook} and the attached state
 
     @classmethod
     def install(cls, pretrained: torch.nn.Module, outer: torch.nn.Module) -> None:
@@ -97,9 +97,15 @@ class _StepInBackward:
         state = pretrained.__dict__.pop(cls.KEY, None)
         if state is None:
             return
-        state["hook"].remove()
+        if "hook" in state:
+            state["hook"].remove()
         if "handle" in state:
             cls._detach(state)
+
+    @classmethod
+    def requested(cls, pretrained: torch.nn.Module) -> bool:
+        """Whether enable(optimizer_in_backward=True) asked for it (or a plan attached it)."""
+        return cls.KEY in pretrained.__dict__
 
     @classmethod
     def wrapper(cls, pretrained: torch.nn.Module) -> Any:
@@ -107,22 +113,30 @@ class _StepInBackward:
         return pretrained.__dict__.get(cls.KEY, {}).get("handle")
 
     @classmethod
+    def attach(cls, pretrained: torch.nn.Module, module: torch.nn.Module) -> Any:
+        """The OptimizerInBackward stepping the optimizer of the Trainer training `module`, attached now if it is
+        not yet (a plan that only fits with it attaches it too), or None where no Trainer with an optimizer
+        trains the model."""
+        state = pretrained.__dict__.setdefault(cls.KEY, {})
+        if "handle" not in state:
+            trainer = find_trainer(module)
+            if trainer is None or getattr(trainer, "optimizer", None) is None:
+                return None
+            state.update(cls._attach(trainer))
+        return state["handle"]
+
+    @classmethod
     def _training_forward(cls, module: torch.nn.Module, args: tuple) -> None:
         from fastckpt.integrations.hf.pretrained import _pretrained_model
 
         if not (module.training and torch.is_grad_enabled()):
             return
-        state = _pretrained_model(module).__dict__[cls.KEY]
-        if "handle" in state:
-            return
-        trainer = find_trainer(module)
-        if trainer is None or getattr(trainer, "optimizer", None) is None:
+        if cls.attach(_pretrained_model(module), module) is None:
             raise ValueError(
                 "fastckpt.integrations.hf.enable(optimizer_in_backward=True): no transformers Trainer (or TRL "
                 "trainer) with an optimizer is training this model; in your own loop wrap the optimizer instead: "
                 "fastckpt.optimizer_in_backward(optimizer, max_grad_norm=..., accumulation_steps=...)"
             )
-        state.update(cls._attach(trainer))
 
     @staticmethod
     def _attach(trainer: Any) -> dict[str, Any]:
