@@ -12,10 +12,11 @@ not touched). With gradient accumulation under `set_to_none`, the first micro-st
 gradients, and it is the step the planner measures: the later micro-steps peak lower.
 
 With an `optimizer`, every run is the whole iteration: the step, then `optimizer.step()` (its temporaries,
-`foreach` buffers). A fastckpt.OptimizerInBackward keeps its hooks: the runs step each parameter in the backward,
-as the loop will (the step should then call its `backward(loss)`, which clips exactly). The parameters are put back after each run (a host copy taken when a session starts), and the
-optimizer's state as it was when the session ends (state the session allocated is dropped), so planning neither
-trains the model nor moves the optimizer.
+`foreach` buffers). A fastckpt.OptimizerInBackward keeps its hooks: the runs step each parameter in the
+backward, as the loop will (the step should then call its `backward(loss)`, which clips exactly). The
+parameters are put back after each run (a host copy taken when a session starts), and the optimizer's state as
+it was when the session ends (state the session allocated is dropped), so planning neither trains the model nor
+moves the optimizer.
 """
 
 from __future__ import annotations
