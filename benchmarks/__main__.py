@@ -1,5 +1,5 @@
-"""`python -m benchmarks [checkpoint|llm|real|trl|planner|compile|ops|train|offload|loss] [--device cpu|cuda]
-[--out DIR] [--quick] [--all]`.
+"""`python -m benchmarks [checkpoint|llm|real|iteration|trl|planner|compile|ops|train|offload|loss]
+[--device cpu|cuda] [--out DIR] [--quick] [--all]`.
 
 checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
   reentrant, selective), torch's save_on_cpu and DeepSpeed's checkpoint, on the seed CNN, GPT-2-style
@@ -20,6 +20,9 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   --compare DIR prints every row's measured columns as new / old against an earlier results folder.
 llm: the llm section alone (as `python -m benchmarks.llm`).
 real: the real-shapes section alone (as `python -m benchmarks.real_shapes`); --all: every real-shape workload.
+iteration: the whole iteration of a full fine-tune (forward, backward, AdamW's step) at Llama-3.2-1B's and
+  Qwen2.5-0.5B's shapes: HF GC against fastckpt with AdamW stepped after and in the backward (as
+  `python -m benchmarks.iteration`, which also takes --full-depth; not in the default run).
 trl: the TRL section alone (as `python -m benchmarks.trl`, which also takes --shape).
 planner: the planner section alone (as `python -m benchmarks.planner`).
 compile: the compile section alone (as `python -m benchmarks.compiled`).
@@ -43,6 +46,7 @@ MODES = {
     "checkpoint": "benchmarks.checkpoint",
     "llm": "benchmarks.llm",
     "real": "benchmarks.real_shapes",
+    "iteration": "benchmarks.iteration",
     "trl": "benchmarks.trl",
     "planner": "benchmarks.planner",
     "compile": "benchmarks.compiled",
@@ -62,7 +66,7 @@ DEFAULT_SECTIONS = (*WORKLOAD_NAMES, PLANNER, COMPILE, LLM, REAL, TRL)
 SECTIONS = (*DEFAULT_SECTIONS, PLANNER_ALL, REAL_ALL)
 
 
-SMOKE_MODES = ("checkpoint", "llm", "real", "trl")
+SMOKE_MODES = ("checkpoint", "llm", "real", "iteration", "trl")
 
 
 def _workload_list(text: str) -> list[str]:
@@ -96,7 +100,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="NAME[,NAME...]",
         help=f"checkpoint only: which workloads, of {', '.join(SECTIONS)} (default: all)",
     )
-    parser.add_argument("--smoke", action="store_true", help="checkpoint, llm, real and trl: tiny shapes, one round")
+    parser.add_argument(
+        "--smoke", action="store_true", help="checkpoint, llm, real, iteration and trl: tiny shapes, one round"
+    )
     parser.add_argument("--all", action="store_true", help="real only: every real-shape workload")
     parser.add_argument("--compare", metavar="DIR", help="an earlier results folder: print each row as new / old")
     args = parser.parse_args(argv)
@@ -105,7 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if (args.mode != "checkpoint" and args.workloads) or (args.smoke and args.mode not in SMOKE_MODES):
         parser.error(
             f"--workloads and --smoke apply to the checkpoint benchmark, not to {args.mode!r} (--smoke also to 'llm' "
-            "'real' and 'trl')"
+            "'real', 'iteration' and 'trl')"
         )
     if args.all and args.mode != "real":
         parser.error(f"--all applies to 'real', not to {args.mode!r} (the checkpoint benchmark: --workloads real-all)")
@@ -132,7 +138,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def _run(args: argparse.Namespace) -> list[dict]:
     module = importlib.import_module(MODES[args.mode])
-    if args.mode in ("llm", "trl"):
+    if args.mode in ("llm", "trl", "iteration"):
         return module.main(device=args.device, out=args.out, quick=args.quick, smoke=args.smoke)
     if args.mode == "real":
         return module.main(device=args.device, out=args.out, every=args.all, smoke=args.smoke)

@@ -283,3 +283,16 @@ def _place_labels(fig, ax, rows: list[dict]) -> None:
 
 def _overlap(a: tuple, b: tuple) -> bool:
     return a[0] < b[2] and b[0] < a[2] and a[1] < b[3] and b[1] < a[3]
+
+
+MATRIX_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")  # what decides matmul speed in fp32 and bf16 on x86
+
+
+def cpu_flags() -> list[str]:
+    """The host's CPU flags of MATRIX_FLAGS (from /proc/cpuinfo; none where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+    return [flag for flag in MATRIX_FLAGS if flag in flags]
