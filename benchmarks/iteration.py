@@ -9,7 +9,8 @@ eighth left padding), the models of benchmarks/real_shapes.py (random weights at
 Rows: HF gradient checkpointing with AdamW stepped after the backward, clipped (the reference of the 'x HF GC'
 columns) and not; fastckpt (`hf.enable(policy="recompute+int8", loss_head=True, padded_attention=True)`) with
 AdamW stepped after the backward, clipped; fastckpt with AdamW stepped in the backward
-(`fastckpt.optimizer_in_backward`), unclipped and clipped exactly (its norm pass: one more backward).
+(`fastckpt.optimizer_in_backward`), unclipped and clipped exactly (its norm pass: one more backward); and the
+last with bitsandbytes' 8-bit AdamW (its state 2 bytes per parameter where AdamW's is 8).
 
 Columns: the device total (what is live before the iteration, the weights and AdamW's state, plus the
 iteration's peak: `fastckpt.memory`'s profiler replay on CPU, max_memory_allocated on CUDA), the peak above the
@@ -57,6 +58,7 @@ class Config:
     prepare: Callable[[torch.nn.Module], None]
     in_backward: bool
     clip: bool
+    eight_bit: bool = False  # bitsandbytes' AdamW8bit (2 bytes of state per parameter) instead of torch's AdamW
 
     @property
     def reference(self) -> str:
@@ -71,7 +73,9 @@ CONFIGS = (
     Config(f"{FASTCKPT} + AdamW, clip {CLIP}", fastckpt_row(POLICY, True, padded=True), False, True),
     Config(f"{FASTCKPT} + AdamW in backward", fastckpt_row(POLICY, True, padded=True), True, False),
     Config(f"{FASTCKPT} + AdamW in backward, clip {CLIP}", fastckpt_row(POLICY, True, padded=True), True, True),
-)
+    Config(f"{FASTCKPT} + 8-bit AdamW in backward, clip {CLIP}", fastckpt_row(POLICY, True, padded=True), True, True,
+           eight_bit=True),
+)  # fmt: skip
 
 
 @dataclass
@@ -115,7 +119,12 @@ def measure(config: Config, workload: Workload, layers: int, device: torch.devic
     model = build(shape, False, workload.tokens).to(device)
     batch = batch_of(workload, shape.vocab, device)
     config.prepare(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+    if config.eight_bit:
+        import bitsandbytes
+
+        optimizer = bitsandbytes.optim.AdamW8bit(model.parameters(), lr=1e-5)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
     if config.in_backward:
         optimizer = fastckpt.optimizer_in_backward(optimizer, max_grad_norm=CLIP if config.clip else None)
     iteration(config, model, optimizer, batch, autocast)

@@ -4,6 +4,8 @@ cannot do is refused by name; and the gradients never all exist at once."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -232,3 +234,23 @@ def test_a_plain_backward_with_clipping_keeps_the_gradients_and_says_so():
             optimizer.step()
             optimizer.zero_grad()
     assert_same_parameters(model, plain_run(make, data, clip=1.0))
+
+
+def test_bitsandbytes_8bit_adamw_composes_and_its_state_is_counted():
+    """A library's low-bit optimizer state (bitsandbytes' AdamW8bit: two bytes per parameter) steps in the
+    backward as it would after it, and the planner's device totals count that state exactly."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from fastckpt.planner.budgets import Resident
+
+    make = functools.partial(bnb.optim.AdamW8bit, lr=1e-2, min_8bit_size=0)
+    data = batches(3)
+    reference = plain_run(make, data, clip=1.0)
+    assert_same_parameters(in_backward_run(make, data, clip=1.0), reference, rtol=1e-6)
+    model = mlp()
+    optimizer = fastckpt.optimizer_in_backward(make(model.parameters()))
+    optimizer.backward(loss_of(model, data[0]))
+    optimizer.step()
+    state = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    counted = Resident.measure(model, torch.device("cpu"), optimizer).optimizer
+    assert counted == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}.values())
+    assert counted < sum(p.numel() for p in model.parameters()) * 3  # about 2 bytes per parameter, not 8

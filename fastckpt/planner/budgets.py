@@ -121,10 +121,11 @@ class Resident:
 
 
 def _nbytes(tensors: Any, device: torch.device, seen: set[int]) -> int:
-    """Bytes of the storages of `tensors` on `device`, each counted once (`seen`: storages already counted)."""
+    """Bytes of the storages of `tensors` on `device`, each counted once (`seen`: storages already counted); a
+    wrapper subclass (torchao's 8-bit and 4-bit optimizer states, DTensor) by the tensors it holds."""
     total = 0
-    for tensor in tensors:
-        if not isinstance(tensor, torch.Tensor) or tensor.device != device:
+    for tensor in _plain_tensors(tensors):
+        if tensor.device != device:
             continue
         storage = tensor.untyped_storage()
         if storage.data_ptr() in seen or storage.nbytes() == 0:
@@ -132,6 +133,18 @@ def _nbytes(tensors: Any, device: torch.device, seen: set[int]) -> int:
         seen.add(storage.data_ptr())
         total += storage.nbytes()
     return total
+
+
+def _plain_tensors(tensors: Any) -> Any:
+    """The tensors among `tensors`, a wrapper subclass replaced by its inner tensors (`__tensor_flatten__`)."""
+    for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        flatten = getattr(type(tensor), "__tensor_flatten__", None)
+        if flatten is None:
+            yield tensor
+        else:
+            yield from _plain_tensors(getattr(tensor, name) for name in tensor.__tensor_flatten__()[0])
 
 
 def _pending_state(optimizer: Any, device: torch.device) -> int:

@@ -25,6 +25,7 @@ def test_smoke_run_measures_every_row(capsys, tmp_path):
         assert row["total_x_hf_gc"] == pytest.approx(row["total_MiB"] / reference["total_MiB"])
     # stepped in the backward, the gradients are not all live at once: below the same policy stepped after it
     stepped = by_name[iteration.CONFIGS[4].name]
+    assert by_name[iteration.CONFIGS[5].name]["resident_MiB"] < stepped["resident_MiB"]  # 8-bit state
     after = by_name[iteration.CONFIGS[2].name]
     assert stepped["above_MiB"] < after["above_MiB"]
     assert "CPU flags:" in out and (tmp_path / "iteration.csv").stat().st_size > 0
