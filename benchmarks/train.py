@@ -5,6 +5,10 @@ from this interpreter's installation, so it needs no download). Every configurat
 the same initial weights and sees the same batches; the report is the final training loss (mean
 of the last steps) and the held-out loss, each against plain training.
 
+Then the optimizer stepped in the backward (fastckpt.optimizer_in_backward) on the same GPT with clipping at 1.0,
+against the plain loop with the same clipping: the final losses should agree (the updates are the same up to
+the clipping's summation order).
+
 Then the LLM job: LoRA (PEFT, r=8 on q/v/up/down) on a small Hugging Face Llama over the same text, bf16
 autocast, 300 AdamW steps, plain bf16 against HF gradient checkpointing and fastckpt's whole-step
 configurations (a policy with the loss head): the final loss of each against plain bf16's.
@@ -108,12 +112,15 @@ def apply_plan(model: CharGPT, tokens: torch.Tensor, fraction: float) -> tuple[s
 
 
 def train(
-    policy: str | Planned | None, data: torch.Tensor, val: list[torch.Tensor], steps: int, device: torch.device
-) -> dict:
+    policy: str | Planned | None, data: torch.Tensor, val: list[torch.Tensor], steps: int, device: torch.device,
+    clip: float | None = None, in_backward: bool = False, name: str | None = None,
+) -> dict:  # fmt: skip
     dim, layers, heads, seq, batch = (256, 4, 4, 128, 32) if device.type == "cuda" else (128, 4, 4, 64, 16)
     torch.manual_seed(0)
     model = CharGPT(dim, layers, heads, seq).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    if in_backward:
+        optimizer = fastckpt.optimizer_in_backward(optimizer, max_grad_norm=clip)
     training = batches(data, steps, batch, seq, seed=1)
     note = ""
     if isinstance(policy, Planned):  # measured on the first batch; no dropout, so no RNG is consumed
@@ -125,7 +132,12 @@ def train(
     for tokens in training:
         loss = _loss(model, tokens, per_call)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        if in_backward:
+            optimizer.backward(loss)  # with clipping: a norm pass, then the step pass
+        else:
+            loss.backward()
+            if clip is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         losses.append(loss.item())
     seconds = time.perf_counter() - start
@@ -135,9 +147,16 @@ def train(
             for t in val
         ) / len(val)
     tail = losses[-max(steps // 10, 1) :]
-    return {"policy": str(policy or "plain"), "final_train_loss": sum(tail) / len(tail), "val_loss": val_loss,
+    return {"policy": name or str(policy or "plain"), "final_train_loss": sum(tail) / len(tail), "val_loss": val_loss,
             "seconds": seconds, "note": note}  # fmt: skip
 
+
+# The optimizer in the backward: name -> (policy, stepped in the backward), all clipping at 1.0.
+CLIPPED = {
+    "plain, clip 1.0": (None, False),
+    "AdamW in backward, clip 1.0": (None, True),
+    "recompute+int8 + AdamW in backward, clip 1.0": ("recompute+int8", True),
+}
 
 LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 # The LoRA job's configurations: None is plain bf16, "HF GC" HF's checkpointing, else (policy, loss head).
@@ -241,8 +260,14 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
     for r in rows:
         if r["note"]:
             print(r["note"])
+    clipped = _each(
+        CLIPPED, lambda name: train(CLIPPED[name][0], text[:split], val, steps, dev, 1.0, CLIPPED[name][1], name),
+        failed,
+    )  # fmt: skip
+    print("\nThe same GPT, AdamW stepped after or in the backward (fastckpt.optimizer_in_backward), clipping at 1.0")
+    _print_losses(clipped, 48)
     lora_rows = _each(LORA_CONFIGS, lambda name: train_lora(name, text[:split], val, steps, dev), failed)
     print(f"\nLoRA r=8 on a 4-layer random-init Llama over the same text, bf16 autocast, padded batches, {steps} "
           "AdamW steps")  # fmt: skip
     _print_losses(lora_rows, 64)
-    return finish(rows + lora_rows, failed, 64, out, f"train_{dev.type}.csv")
+    return finish(rows + clipped + lora_rows, failed, 64, out, f"train_{dev.type}.csv")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 import torch
 
 from benchmarks import train as bench
@@ -44,3 +46,15 @@ def test_lora_job_trains_on_padded_batches():
     name = "fastckpt recompute:int8+int8 + loss head + padded attention"
     row = bench.train_lora(name, text[:-100_000], val, steps=2, device=cpu)
     assert row["policy"] == name and math.isfinite(row["final_train_loss"]) and math.isfinite(row["val_loss"])
+
+
+def test_the_optimizer_stepped_in_the_backward_trains_as_the_plain_loop():
+    """Two steps with clipping at 1.0: stepped in the backward, the losses are the plain loop's."""
+    cpu = torch.device("cpu")
+    text = bench.corpus(cpu)
+    val = bench.batches(text[-100_000:], 1, 2, 64, seed=2)
+    rows = [bench.train(policy, text[:-100_000], val, 3, cpu, 1.0, in_backward, name)
+            for name, (policy, in_backward) in list(bench.CLIPPED.items())[:2]]  # fmt: skip
+    assert [row["policy"] for row in rows] == list(bench.CLIPPED)[:2]
+    assert rows[1]["final_train_loss"] == pytest.approx(rows[0]["final_train_loss"], rel=1e-5)
+    assert rows[1]["val_loss"] == pytest.approx(rows[0]["val_loss"], rel=1e-5)
