@@ -23,7 +23,7 @@ from tests.helpers import num_threads
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)
-OPTIONAL_PACKAGES = {"transformers", "peft", "accelerate", "deepspeed", "trl", "datasets", "tokenizers"}
+OPTIONAL_PACKAGES = {"transformers", "peft", "accelerate", "deepspeed", "trl", "datasets", "tokenizers", "bitsandbytes"}
 
 
 def python_blocks(path: pathlib.Path) -> list[tuple[int, int, str]]:

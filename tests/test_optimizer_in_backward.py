@@ -254,3 +254,23 @@ def test_bitsandbytes_8bit_adamw_composes_and_its_state_is_counted():
     counted = Resident.measure(model, torch.device("cpu"), optimizer).optimizer
     assert counted == sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in state}.values())
     assert counted < sum(p.numel() for p in model.parameters()) * 3  # about 2 bytes per parameter, not 8
+
+
+def test_several_ranks_are_refused_with_the_reason(monkeypatch):
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(ValueError, match="reduce a gradient across ranks after its accumulation hook fires"):
+        fastckpt.optimizer_in_backward(torch.optim.SGD(mlp().parameters(), lr=0.1))
+
+
+def test_a_gradient_arriving_in_two_parts_is_refused():
+    """A block used twice, each use its own reentrant checkpoint: its weights' gradient accumulates in two nested
+    backwards, so the first part would be stepped alone; the second part's arrival is an error."""
+    model = mlp()
+    block = model[0]
+    optimizer = fastckpt.optimizer_in_backward(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = batches(1)[0][0].requires_grad_()
+    h = fastckpt.checkpoint(block, x, use_reentrant=True)
+    h = fastckpt.checkpoint(block, h, use_reentrant=True)
+    with pytest.raises(RuntimeError, match="arrives in parts within one backward .*use use_reentrant=False"):
+        model[-1](h).sum().backward()

@@ -62,3 +62,31 @@ def test_what_fits_refuses_what_it_cannot_answer(lengths):
         measured.longest(2**30, multiple=0)
     with pytest.raises(ValueError, match="`lengths` must be two different positive integers"):
         measure_lengths(model, step_at, (256, 256, 512))
+
+
+def test_what_fits_with_the_optimizer_stepped_in_the_backward():
+    """Wide blocks: a device total of the weights, AdamW's state and half the gradients holds no length with
+    the optimizer stepped after the backward, and the measured lengths and more with it stepped in the backward."""
+    import fastckpt
+
+    torch.manual_seed(0)
+    model = AttentionNet(layers=4, dim=128)
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = f"{weights * 3 + weights // 2}B"
+    block = lambda m: isinstance(m, AttentionBlock)  # noqa: E731
+
+    def lengths_with(optimizer, backward):
+        def step_at(tokens: int):
+            x = torch.randn(1, tokens, 128)
+            return lambda: backward(model(x).pow(2).mean())
+
+        return measure_lengths(model, step_at, (32, 64), block, ["recompute"], repeats=1, progress=False,
+                               optimizer=optimizer)  # fmt: skip
+
+    after = lengths_with(torch.optim.AdamW(model.parameters(), foreach=True), torch.Tensor.backward)
+    with pytest.raises(ValueError, match="no plan fits"):
+        after.longest(total, multiple=32)
+    stepping = fastckpt.optimizer_in_backward(torch.optim.AdamW(model.parameters(), foreach=True))
+    fit = lengths_with(stepping, stepping.backward).longest(total, multiple=32)
+    stepping.remove()
+    assert fit.length >= 64 and fit.plan.measured_peak <= fit.plan.budget

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 import torch
 
 from benchmarks import train as bench
