@@ -31,8 +31,8 @@ class _Logged(transformers.TrainerCallback):
         self.logs.append(dict(logs or {}))
 
 
-def train(tmp_path, model, *, in_backward: bool, steps: int = 3, scaler=None, **arguments):
-    hf.enable(model, loss_head=True, optimizer_in_backward=in_backward)
+def train(tmp_path, model, *, in_backward: bool, steps: int = 3, scaler=None, reentrant=False, **arguments):
+    hf.enable(model, loss_head=True, optimizer_in_backward=in_backward, use_reentrant=reentrant)
     data = [{k: v[i] for k, v in sample().items()} for _ in range(steps * 2) for i in range(2)]
     settings = {"max_steps": steps, "per_device_train_batch_size": 2, "use_cpu": True, "report_to": [],
                 "save_strategy": "no", "disable_tqdm": True, "logging_steps": 1, "learning_rate": 1e-3,
@@ -63,8 +63,9 @@ def assert_close_parameters(a: torch.nn.Module, b: torch.nn.Module, rtol: float)
         (tied_llama, {}),
         (tiny_llama, {"gradient_accumulation_steps": 2}),
         (tiny_llama, {"max_grad_norm": 0.0}),
+        (tiny_llama, {"reentrant": True}),
     ],
-    ids=["clipped", "tied-embedding", "accumulation", "unclipped"],
+    ids=["clipped", "tied-embedding", "accumulation", "unclipped", "reentrant"],
 )
 def test_the_trainer_run_is_the_plain_trainers(tmp_path, make, arguments):
     torch.manual_seed(0)
