@@ -114,8 +114,10 @@ def test_a_scheduler_drives_the_wrapped_optimizer():
 
 
 @pytest.mark.parametrize(
-    "policy, reentrant", [("recompute", False), ("recompute", True), ("int8", False), ("recompute+int8", False)]
-)
+    "policy, reentrant",
+    [("recompute", False), ("recompute", True), ("int8", False), ("recompute+int8", False), ("recompute:int8+int8", False),
+     ("offload", False), ("int4+offload", False), ("recompute+offload", False)],
+)  # fmt: skip
 def test_every_checkpoint_policy_composes_with_clipping(policy, reentrant):
     """The norm pass and the step pass run the same backward twice (retain_graph): recomputation and stored
     codecs give both the same gradients, so the result is the plain loop's under the same policy."""
