@@ -115,8 +115,8 @@ def test_a_scheduler_drives_the_wrapped_optimizer():
 
 @pytest.mark.parametrize(
     "policy, reentrant",
-    [("recompute", False), ("recompute", True), ("int8", False), ("recompute+int8", False), ("recompute:int8+int8", False),
-     ("offload", False), ("int4+offload", False), ("recompute+offload", False)],
+    [("recompute", False), ("recompute", True), ("int8", False), ("recompute+int8", False),
+     ("recompute:int8+int8", False), ("offload", False), ("int4+offload", False), ("recompute+offload", False)],
 )  # fmt: skip
 def test_every_checkpoint_policy_composes_with_clipping(policy, reentrant):
     """The norm pass and the step pass run the same backward twice (retain_graph): recomputation and stored
@@ -270,7 +270,7 @@ def test_a_gradient_arriving_in_two_parts_is_refused():
     backwards, so the first part would be stepped alone; the second part's arrival is an error."""
     model = mlp()
     block = model[0]
-    optimizer = fastckpt.optimizer_in_backward(torch.optim.SGD(model.parameters(), lr=0.1))
+    fastckpt.optimizer_in_backward(torch.optim.SGD(model.parameters(), lr=0.1))
     x = batches(1)[0][0].requires_grad_()
     h = fastckpt.checkpoint(block, x, use_reentrant=True)
     h = fastckpt.checkpoint(block, h, use_reentrant=True)
