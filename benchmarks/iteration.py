@@ -27,8 +27,10 @@ own depth instead (CUDA, or a CPU with the memory and hours for it).
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
-import gc
+import multiprocessing
+import resource
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,11 +82,13 @@ CONFIGS = (
 
 @dataclass
 class Measured:
-    """One row at one depth: bytes live before the iteration, its peak above them, seconds per iteration."""
+    """One row at one depth: bytes live before the iteration, its peak above them, seconds per iteration, and the
+    process's largest resident set (host memory, every copy and allocator cache included; 0 where not measured)."""
 
     resident: int
     peak: int
     seconds: float
+    max_rss: int = 0
 
     @property
     def total(self) -> int:
@@ -113,8 +117,25 @@ def _resident(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
 
 
 def measure(config: Config, workload: Workload, layers: int, device: torch.device, autocast: bool,
-            timed: int) -> Measured:  # fmt: skip
+            timed: int, isolated: bool = True) -> Measured:  # fmt: skip
+    """The row at `layers` layers, `isolated` in a process of its own (spawned: each row starts from an empty heap,
+    and one that runs out of memory fails alone), else in this one (--smoke)."""
+    if not isolated:
+        return _measure_here(CONFIGS.index(config), workload, layers, str(device), autocast, timed)
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        index = CONFIGS.index(config)
+        return pool.submit(_measure_here, index, workload, layers, str(device), autocast, timed).result()
+
+
+def _measure_here(index: int, workload: Workload, layers: int, device_name: str, autocast: bool,
+                  timed: int) -> Measured:  # fmt: skip
     """The row at `layers` layers: a warm-up iteration (AdamW's state allocated), one traced, `timed` timed."""
+    from benchmarks.ops import _reuse_freed_host_memory
+
+    config, device = CONFIGS[index], torch.device(device_name)
+    if device.type == "cpu" and multiprocessing.parent_process() is not None:  # a row's own process
+        _reuse_freed_host_memory()  # as the other sections: freed blocks reused, not paged in afresh
     shape = dataclasses.replace(SHAPES[workload.shape], layers=layers)
     model = build(shape, False, workload.tokens).to(device)
     batch = batch_of(workload, shape.vocab, device)
@@ -140,9 +161,8 @@ def measure(config: Config, workload: Workload, layers: int, device: torch.devic
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)
-    del model, optimizer
-    gc.collect()
-    return Measured(resident, trace.peak, sorted(seconds)[len(seconds) // 2])
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    return Measured(resident, trace.peak, sorted(seconds)[len(seconds) // 2], max_rss)
 
 
 def extrapolated(at: dict[int, Measured], layers: int) -> Measured:
@@ -157,7 +177,7 @@ def extrapolated(at: dict[int, Measured], layers: int) -> Measured:
     return Measured(int(line(m1.resident, m2.resident)), int(line(m1.peak, m2.peak)), line(m1.seconds, m2.seconds))
 
 
-def run(workload: Workload, device: torch.device, full_depth: bool, timed: int) -> list[dict]:
+def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, isolated: bool = True) -> list[dict]:
     shape = SHAPES[workload.shape]
     autocast = device.type == "cuda" or "amx_bf16" in cpu_flags()
     depths = (shape.layers,) if full_depth or device.type == "cuda" else DEPTHS
@@ -166,7 +186,11 @@ def run(workload: Workload, device: torch.device, full_depth: bool, timed: int) 
     failed: dict[str, str] = {}
     for config in CONFIGS:
         try:
-            at = {layers: measure(config, workload, layers, device, autocast, timed) for layers in depths}
+            at = {}
+            for layers in depths:
+                at[layers] = m = measure(config, workload, layers, device, autocast, timed, isolated)
+                print(f"({config.name}, {layers} layers: total {m.total / 2**20:.0f} MiB, above {m.peak / 2**20:.0f} "
+                      f"MiB, {m.seconds:.1f} s, host RSS {m.max_rss / 2**30:.1f} GiB)", flush=True)  # fmt: skip
             results[config.name] = extrapolated(at, shape.layers)
         except Exception as err:  # reported in the table; the others go on
             failed[config.name] = f"{type(err).__name__}: {err}".splitlines()[0]
@@ -210,7 +234,7 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke
     dev = torch.device(device)
     table = []
     for workload in SMOKE if smoke else WORKLOADS:
-        table += run(workload, dev, full_depth, timed=1 if quick or smoke else 2)
+        table += run(workload, dev, full_depth, timed=1 if quick or smoke else 2, isolated=not smoke)
     if out:
         write_csv(table, out, "iteration.csv")
     return table
