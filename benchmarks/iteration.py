@@ -19,10 +19,11 @@ each also as a ratio to HF GC + AdamW's, clipped or not as the row.
 
 Compute dtype: bf16 autocast on CUDA and on CPUs with AMX (bf16 matrix units); elsewhere bf16 is emulated (an
 iteration of one Llama-3.2-1B layer took many minutes), so the rows run in fp32 there, and say so. Depth: on a
-CPU each row runs at 1 and at 2 layers and every number is extrapolated linearly to the model's depth (the
+CPU each row runs at 1 and at 2 layers and its bytes are extrapolated linearly to the model's depth (the
 weights, the state, the gradients and the stored layer inputs grow by the layer; the head and embeddings do
-not): exact for the memory terms that grow by the layer, an estimate for time. `--full-depth` runs the model's
-own depth instead (CUDA, or a CPU with the memory and hours for it).
+not): exact for the memory terms that grow by the layer. Seconds are the deeper depth's, where the head and
+the embeddings weigh more than at the model's depth. `--full-depth` runs the model's own depth instead (CUDA,
+or a CPU with the memory and hours for it).
 """
 
 from __future__ import annotations
@@ -166,7 +167,9 @@ def _measure_here(index: int, workload: Workload, layers: int, device_name: str,
 
 
 def extrapolated(at: dict[int, Measured], layers: int) -> Measured:
-    """The row at the model's `layers`, linear through the two depths measured (or the one, if it is that)."""
+    """The row at the model's `layers`: its bytes on the line through the two depths measured (or the one, if it
+    is that); its seconds the deeper depth's (a line through two single timings, seconds apart on a noisy host,
+    can even fall: time ratios are reported at the deeper depth measured)."""
     if layers in at:
         return at[layers]
     (d1, m1), (d2, m2) = sorted(at.items())
@@ -174,7 +177,7 @@ def extrapolated(at: dict[int, Measured], layers: int) -> Measured:
     def line(a: float, b: float) -> float:
         return b + (b - a) / (d2 - d1) * (layers - d2)
 
-    return Measured(int(line(m1.resident, m2.resident)), int(line(m1.peak, m2.peak)), line(m1.seconds, m2.seconds))
+    return Measured(int(line(m1.resident, m2.resident)), int(line(m1.peak, m2.peak)), m2.seconds, m2.max_rss)
 
 
 def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, isolated: bool = True) -> list[dict]:
@@ -194,8 +197,9 @@ def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, 
             results[config.name] = extrapolated(at, shape.layers)
         except Exception as err:  # reported in the table; the others go on
             failed[config.name] = f"{type(err).__name__}: {err}".splitlines()[0]
-    depth_note = (f"measured at {' and '.join(map(str, depths))} layers, extrapolated linearly to {shape.layers}"
-                  if depths != (shape.layers,) else f"{shape.layers} layers")  # fmt: skip
+    depth_note = (f"measured at {' and '.join(map(str, depths))} layers, bytes extrapolated linearly to "
+                  f"{shape.layers}, seconds at {depths[-1]}" if depths != (shape.layers,)
+                  else f"{shape.layers} layers")  # fmt: skip
     print(f"\n== {workload.name} iteration: {depth_note}, hidden {shape.hidden}, vocab {shape.vocab:,}, 1 x "
           f"{workload.tokens} tokens (first eighth left padding), fp32 weights, "
           f"{'bf16 autocast' if autocast else 'fp32 compute (no AMX: bf16 would be emulated)'}, AdamW (foreach)")
