@@ -83,13 +83,18 @@ CONFIGS = (
 
 @dataclass
 class Measured:
-    """One row at one depth: bytes live before the iteration, its peak above them, seconds per iteration, and the
-    process's largest resident set (host memory, every copy and allocator cache included; 0 where not measured)."""
+    """One row at one depth: bytes live before the iteration, its peak above them per phase of the iteration
+    (forward, backward, clip, step, zero_grad), seconds per iteration, and the process's largest resident set
+    (host memory, every copy and allocator cache included; 0 where not measured)."""
 
     resident: int
-    peak: int
+    phases: dict[str, int]
     seconds: float
     max_rss: int = 0
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
 
     @property
     def total(self) -> int:
@@ -97,18 +102,24 @@ class Measured:
 
 
 def iteration(config: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: dict,
-              autocast: bool) -> None:  # fmt: skip
-    """One iteration of the loop, as Trainer runs it."""
+              autocast: bool, mark: Callable[[str], None] = lambda phase: None) -> None:  # fmt: skip
+    """One iteration of the loop, as Trainer runs it; `mark(phase)` after each phase."""
     with torch.autocast(batch["input_ids"].device.type, dtype=torch.bfloat16, enabled=autocast):
         loss = hf_loss(model, batch)
+    mark("forward")
     if config.in_backward:
-        optimizer.backward(loss)
+        optimizer.backward(loss)  # the steps (and the norm pass) are in the backward's phase
+        mark("backward")
     else:
         loss.backward()
+        mark("backward")
         if config.clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+            mark("clip")
     optimizer.step()
+    mark("step")
     optimizer.zero_grad(set_to_none=True)
+    mark("zero_grad")
 
 
 def _resident(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
@@ -152,7 +163,7 @@ def _measure_here(index: int, workload: Workload, layers: int, device_name: str,
     iteration(config, model, optimizer, batch, autocast)
     resident = _resident(model, optimizer)
     with quiet_profiler_logs(), MemoryTrace(device) as trace:
-        iteration(config, model, optimizer, batch, autocast)
+        iteration(config, model, optimizer, batch, autocast, trace.mark)
     seconds = []
     for _ in range(timed):
         if device.type == "cuda":
@@ -163,21 +174,24 @@ def _measure_here(index: int, workload: Workload, layers: int, device_name: str,
             torch.cuda.synchronize(device)
         seconds.append(time.perf_counter() - start)
     max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return Measured(resident, trace.peak, sorted(seconds)[len(seconds) // 2], max_rss)
+    phases = {point.key: point.peak_before for point in trace.points}
+    return Measured(resident, phases, sorted(seconds)[len(seconds) // 2], max_rss)
 
 
 def extrapolated(at: dict[int, Measured], layers: int) -> Measured:
-    """The row at the model's `layers`: its bytes on the line through the two depths measured (or the one, if it
-    is that); its seconds the deeper depth's (a line through two single timings, seconds apart on a noisy host,
-    can even fall: time ratios are reported at the deeper depth measured)."""
+    """The row at the model's `layers`: each phase's peak (and what is live before) on the line through the two
+    depths measured (or the one, if it is that), so that the iteration's peak is the highest phase at that depth
+    (HF GC's moves from the loss at 1-2 layers to AdamW's step at 16); its seconds the deeper depth's (a line
+    through two single timings, seconds apart on a noisy host, can even fall)."""
     if layers in at:
         return at[layers]
     (d1, m1), (d2, m2) = sorted(at.items())
 
-    def line(a: float, b: float) -> float:
-        return b + (b - a) / (d2 - d1) * (layers - d2)
+    def line(a: float, b: float) -> int:
+        return int(b + (b - a) / (d2 - d1) * (layers - d2))
 
-    return Measured(int(line(m1.resident, m2.resident)), int(line(m1.peak, m2.peak)), m2.seconds, m2.max_rss)
+    phases = {phase: line(m1.phases[phase], m2.phases[phase]) for phase in m2.phases}
+    return Measured(line(m1.resident, m2.resident), phases, m2.seconds, m2.max_rss)
 
 
 def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, isolated: bool = True) -> list[dict]:
@@ -192,7 +206,8 @@ def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, 
             at = {}
             for layers in depths:
                 at[layers] = m = measure(config, workload, layers, device, autocast, timed, isolated)
-                print(f"({config.name}, {layers} layers: total {m.total / 2**20:.0f} MiB, above {m.peak / 2**20:.0f} "
+                phases = ", ".join(f"{phase} {peak / 2**20:.0f}" for phase, peak in m.phases.items())
+                print(f"({config.name}, {layers} layers: total {m.total / 2**20:.0f} MiB, above it by phase {phases} "
                       f"MiB, {m.seconds:.1f} s, host RSS {m.max_rss / 2**30:.1f} GiB)", flush=True)  # fmt: skip
             results[config.name] = extrapolated(at, shape.layers)
         except Exception as err:  # reported in the table; the others go on
@@ -215,7 +230,7 @@ def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, 
         row = {
             "workload": workload.name, "config": config.name, "layers": shape.layers, "measured_depths": depths,
             "autocast_bf16": autocast, "total_MiB": m.total / 2**20, "resident_MiB": m.resident / 2**20,
-            "above_MiB": m.peak / 2**20, "s_per_iter": m.seconds,
+            "above_MiB": m.peak / 2**20, "peak_phase": max(m.phases, key=m.phases.get), "s_per_iter": m.seconds,
             "total_x_hf_gc": m.total / ref.total if ref else None,
             "above_x_hf_gc": m.peak / ref.peak if ref else None,
             "time_x_hf_gc": m.seconds / ref.seconds if ref else None,

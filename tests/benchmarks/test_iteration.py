@@ -32,6 +32,10 @@ def test_smoke_run_measures_every_row(capsys, tmp_path):
 
 
 def test_the_extrapolation_to_the_models_depth_is_linear():
-    at = {1: iteration.Measured(10, 100, 1.0), 2: iteration.Measured(14, 130, 1.5)}
-    assert iteration.extrapolated(at, 16) == iteration.Measured(70, 550, 1.5)  # seconds: the deeper depth's
+    """Each phase on its own line, the peak the highest at the depth: here the step's overtakes the forward's."""
+    at = {1: iteration.Measured(10, {"forward": 100, "step": 40}, 1.0),
+          2: iteration.Measured(14, {"forward": 110, "step": 70}, 1.5)}  # fmt: skip
+    deep = iteration.extrapolated(at, 16)
+    assert deep == iteration.Measured(70, {"forward": 250, "step": 490}, 1.5)  # seconds: the deeper depth's
+    assert deep.peak == 490 and at[2].peak == 110
     assert iteration.extrapolated(at, 2) is at[2]
