@@ -283,7 +283,6 @@ class _FirstBatchPlan:
         pretrained.__dict__[cls.PLAN] = plan
         _logger.info("fastckpt.integrations.hf: planned for budget %r:\n%s", budget, plan.table())
 
-
     @staticmethod
     def _with_optimizer(budget: Any, options: dict, module: torch.nn.Module, pretrained: torch.nn.Module) -> dict:
         """`options` with the loop's optimizer for a device total: its state and its step's temporaries count.
