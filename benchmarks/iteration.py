@@ -215,9 +215,11 @@ def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, 
     depth_note = (f"measured at {' and '.join(map(str, depths))} layers, bytes extrapolated linearly to "
                   f"{shape.layers}, seconds at {depths[-1]}" if depths != (shape.layers,)
                   else f"{shape.layers} layers")  # fmt: skip
-    print(f"\n== {workload.name} iteration: {depth_note}, hidden {shape.hidden}, vocab {shape.vocab:,}, 1 x "
-          f"{workload.tokens} tokens (first eighth left padding), fp32 weights, "
-          f"{'bf16 autocast' if autocast else 'fp32 compute (no AMX: bf16 would be emulated)'}, AdamW (foreach)")  # fmt: skip
+    print(
+        f"\n== {workload.name} iteration: {depth_note}, hidden {shape.hidden}, vocab {shape.vocab:,}, 1 x "
+        f"{workload.tokens} tokens (first eighth left padding), fp32 weights, "
+        f"{'bf16 autocast' if autocast else 'fp32 compute (no AMX: bf16 would be emulated)'}, AdamW (foreach)"
+    )
     print(f"CPU flags: {' '.join(cpu_flags()) or 'none of avx2/avx512f/avx512_bf16/amx_bf16'}"
           if device.type == "cpu" else f"device: {torch.cuda.get_device_name(device)}")  # fmt: skip
     print(f"{'config':<80}{'total MiB':>10}{'x HF GC':>9}{'above MiB':>10}{'x HF GC':>9}{'s/iter':>8}{'x HF GC':>9}")
