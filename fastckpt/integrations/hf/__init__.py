@@ -6,6 +6,8 @@ One concept per file; each imports only files listed after it:
   and the switches of what the files below hold;
 - planning.py: `plan`, `measure` (fastckpt's planner on a step built from a batch), `planned`, `PLAN_MAX_ERROR`
   and `enable(budget=...)`'s plan on the first training batch (`_FirstBatchPlan`);
+- trainer.py: what the training loop built after `enable` (Trainer's optimizer, the Trainer), found at the first
+  training batch, and `enable(optimizer_in_backward=True)`'s step in the backward (`_StepInBackward`);
 - loss_head.py: `enable(loss_head=True)`, the training loss through fastckpt.linear_cross_entropy (`_LossHead`),
   and `loss_head_enabled`;
 - trl_head.py: the same switch under TRL's fused LM head (`model(..., fused_lm_head=True)`): TRL's per-token
