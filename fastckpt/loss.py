@@ -44,6 +44,8 @@ def backward_repeated() -> Any:
         yield
     finally:
         _repeated_backwards -= 1
+
+
 # The default chunk (default_chunk_size says why): about CHUNK_BYTES of fp32 logits and at least MIN_CHUNK tokens
 # (FAST_CHUNK where MIN_CHUNK's are more than CHUNK_BYTES), but at most MAX_CHUNK_BYTES of bf16 logits (the
 # chunk's one [tokens, vocab] buffer) and never fewer than FEWEST_TOKENS; when the weight gradient is computed at
@@ -428,13 +430,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "loss again for another backward"
             )
         factor = grad_output if ctx.scale is None else grad_output * ctx.scale
-        if _repeated_backwards:  # another backward follows: copies, the gradients kept
-            copies = [None if g is None else g.to(d, copy=True).mul_(factor) for g, d in zip(ctx.grads, ctx.dtypes,
-                                                                                              strict=True)]  # fmt: skip
-            return (*copies, None, None, None)
-        grads, ctx.grads = ctx.grads, None  # released here, so that autograd may take the tensors without a copy
+        grads, keep = ctx.grads, bool(_repeated_backwards)  # another backward follows: scaled copies, grads kept
+        if not keep:
+            ctx.grads = None  # released here, so that autograd may take the tensors without a copy
         out = [
-            None if grad is None else grad.to(dtype).mul_(factor) for grad, dtype in zip(grads, ctx.dtypes, strict=True)
+            None if grad is None else grad.to(dtype, copy=keep).mul_(factor)
+            for grad, dtype in zip(grads, ctx.dtypes, strict=True)
         ]
         return (*out, None, None, None)
 

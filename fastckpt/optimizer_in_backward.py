@@ -121,7 +121,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """`loss.backward(**kwargs)`, stepping each parameter as its gradient completes. With `max_grad_norm` and
         no gradients held from earlier micro-steps, a first backward through the same graph computes the norm
         (its gradients freed as they are measured), then the second steps with the clipped gradients."""
-        if self.max_grad_norm is None or self.accumulation_steps > 1 or self._held():
+        if self.max_grad_norm is None or self.accumulation_steps > 1 or self._pending():  # gradients held: no norm pass
             loss.backward(**kwargs)
             return
         self._norm_pass = True
@@ -159,7 +159,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if pending and self.max_grad_norm is not None and not self._clipped:
             self.clip_grad_norm_(self.max_grad_norm)
         elif pending or self._measured:
-            self.grad_norm = self._total({**self._measured, **{p: torch.linalg.vector_norm(p.grad) for p in pending}})
+            self.grad_norm = self._iteration_norm(pending)
         for p in pending:
             self._step_parameter(p)
         self._new_iteration()
@@ -172,7 +172,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError(f"{_NAME}: clip_grad_norm_ computes the L2 norm (norm_type=2), got {norm_type!r}")
         held = self._pending()
-        self.grad_norm = total = self._total({**self._measured, **{p: torch.linalg.vector_norm(p.grad) for p in held}})
+        self.grad_norm = total = self._iteration_norm(held)
         if not math.isfinite(max_norm):
             return total
         if self._stepped and self.max_grad_norm is None and bool(total > max_norm):
@@ -214,9 +214,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """The parameters holding a gradient not yet stepped in this iteration."""
         return [p for p in self._parameters() if p.grad is not None and p not in self._stepped]
 
-    def _held(self) -> bool:
-        """Whether gradients from earlier micro-steps are held (not yet stepped)."""
-        return bool(self._pending())
+    def _iteration_norm(self, held: list[torch.Tensor]) -> torch.Tensor:
+        """The total norm of this iteration's gradients: those stepped in the backward (measured then) and `held`."""
+        return self._total({**self._measured, **{p: torch.linalg.vector_norm(p.grad) for p in held}})
 
     def _total(self, norms: dict[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """The total norm of per-parameter norms, combined in the parameters' order (as clip_grad_norm_ would)."""

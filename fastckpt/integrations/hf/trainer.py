@@ -155,11 +155,10 @@ class _StepInBackward:
             )
         if accelerator.distributed_type == DistributedType.DEEPSPEED:
             raise ValueError(f"{entry}: DeepSpeed steps its own optimizer on its partitioned gradients; not supported")
-        # the object whose .optimizer is the optimizer owning the state (accelerate's wrapper), or the trainer
-        owner = trainer
-        while isinstance(getattr(owner.optimizer, "optimizer", None), torch.optim.Optimizer):
+        inner = innermost(trainer.optimizer)
+        owner = trainer  # the object whose .optimizer is `inner`: accelerate's wrapper, or the trainer
+        while owner.optimizer is not inner:
             owner = owner.optimizer
-        inner = owner.optimizer
         max_grad_norm = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
         handle = OptimizerInBackward(
             inner, max_grad_norm=max_grad_norm, accumulation_steps=args.gradient_accumulation_steps
