@@ -39,8 +39,9 @@ group holding it alone), so its state, `state_dict()` and `load_state_dict()` ar
 from __future__ import annotations
 
 import math
+import re
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -48,6 +49,22 @@ import torch
 from fastckpt.loss import backward_repeated
 
 _NAME = "fastckpt.optimizer_in_backward"
+
+# A parameter over twice this many bytes is stepped in slices of about this size: an elementwise optimizer's step
+# makes temporaries the size of what it steps (AdamW's `foreach` denominator, bitsandbytes' fp32 copies of its
+# 8-bit state on CPU), and stepped whole the largest parameter (an embedding: 1 GiB in Llama-3.2-1B) would set the
+# iteration's peak.
+SLICE_BYTES = 64 << 20
+_ALIGN = 4096  # slice boundaries, in elements: whole bitsandbytes blocks and whole vector lanes
+_BLOCK = 256  # bitsandbytes' blockwise 8-bit state: one scale (absmax) per 256 elements, on CPU and CUDA
+
+# Optimizers whose update of an element reads only that element's gradient and state and its group's settings:
+# stepping such a parameter slice by slice is stepping it whole.
+_ELEMENTWISE = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+    torch.optim.RMSprop, torch.optim.Adagrad,
+)  # fmt: skip
+_ELEMENTWISE_BITSANDBYTES = re.compile(r"(Paged)?(Adam|AdamW|Lion)(8bit|32bit)?")
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -77,7 +94,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._clipped = False  # the held gradients were clipped by clip_grad_norm_ in this iteration
         self._warned_kept = False
         self._groups: tuple[int, int] | None = None  # (id, length) of the param_groups list the index was built on
-        self._group_of: dict[torch.Tensor, dict[str, Any]] = {}
+        self._index: dict[torch.Tensor, tuple[int, int]] = {}  # parameter -> (its group's index, its index there)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._parameters()]
 
     # The wrapped optimizer's groups, state and defaults (its load_state_dict replaces the objects: read them live).
@@ -254,23 +271,38 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._step_parameter(p)
 
     def _step_parameter(self, p: torch.Tensor) -> None:
-        """The wrapped optimizer's step for `p` alone (its group narrowed to it), then its gradient freed."""
+        """The wrapped optimizer's step for `p` alone, in slices where it is large (`_Slices`), then its gradient
+        freed."""
+        slices = _Slices.of(self.optimizer, p)
+        if slices is None:
+            self._step_alone(p, p)
+        else:
+            slices.step(lambda piece: self._step_alone(p, piece))
+        p.grad = None
+        self._stepped.add(p)
+
+    def _step_alone(self, p: torch.Tensor, stepped: torch.Tensor) -> None:
+        """Step `stepped` (`p`, or a slice of it holding its own gradient and state) with `p`'s group's settings.
+        A torch optimizer steps with its groups narrowed to that group holding `stepped` alone; bitsandbytes' are
+        stepped through their per-parameter methods with `p`'s own group and index, which key their per-parameter
+        settings (Trainer keeps the embeddings' state in 32 bits that way)."""
         optimizer, group = self.optimizer, self._group(p)
+        if _is_bitsandbytes(optimizer):
+            _bitsandbytes_step(optimizer, stepped, *self._index[p])
+            return
         groups, params = optimizer.param_groups, group["params"]
-        group["params"], optimizer.param_groups = [p], [group]
+        group["params"], optimizer.param_groups = [stepped], [group]
         try:
             optimizer.step()
         finally:
             group["params"], optimizer.param_groups = params, groups
-        p.grad = None
-        self._stepped.add(p)
 
     def _group(self, p: torch.Tensor) -> dict[str, Any]:
         groups = self.optimizer.param_groups
         if self._groups != (id(groups), len(groups)):
-            self._group_of = {q: group for group in groups for q in group["params"]}
+            self._index = {q: (g, i) for g, group in enumerate(groups) for i, q in enumerate(group["params"])}
             self._groups = (id(groups), len(groups))
-        return self._group_of[p]
+        return groups[self._index[p][0]]
 
     def _warn_kept(self) -> None:
         if self.accumulation_steps == 1 and not self._warned_kept:
@@ -281,6 +313,124 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 "memory; call optimizer.backward(loss) instead",
                 stacklevel=3,
             )
+
+
+class _Slices:
+    """One parameter's step taken slice by slice (`SLICE_BYTES`; the last slice takes the rest, so none is smaller:
+    bitsandbytes keeps a small tensor's state in 32 bits): each slice a flat view of the parameter holding
+    the matching views of its gradient and of its state (bitsandbytes' per-block scales sliced by block), the
+    scalars (the step count) stepped from the same value in each slice and written back once. On the first step
+    each slice makes its own state, gathered into the parameter's (as large as the optimizer would have made it)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, p: torch.Tensor, length: int) -> None:
+        self.optimizer, self.p, self.length = optimizer, p, length
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, p: torch.Tensor) -> _Slices | None:
+        """`p`'s slices, or None where it is stepped whole: small, not contiguous, a state that cannot be sliced
+        or an optimizer whose update is not elementwise."""
+        length = max(_ALIGN, SLICE_BYTES // p.element_size() // _ALIGN * _ALIGN)
+        if p.numel() <= 2 * length or not _elementwise(optimizer):
+            return None
+        if not (p.is_contiguous() and p.grad.layout == torch.strided and p.grad.is_contiguous()):
+            return None
+        state = optimizer.state.get(p)
+        if state and any(_kind(key, value, p.numel()) is None for key, value in state.items()):
+            return None
+        return cls(optimizer, p, length)
+
+    def step(self, step_alone: Callable[[torch.Tensor], None]) -> None:
+        """`step_alone(piece)` for each slice, with the slice's state in the optimizer's `state[piece]`."""
+        p, states = self.p, self.optimizer.state
+        whole = dict(states.get(p) or {})  # the state before this step: each slice's scalars start from it
+        flat, grad, numel = p.detach().view(-1), p.grad.view(-1), p.numel()
+        gathered: dict[str, Any] = {}
+        for start in range(0, numel - self.length + 1, self.length):
+            stop = numel if start + 2 * self.length > numel else start + self.length  # no short slice at the end
+            piece = flat[start:stop]
+            piece.grad = grad[start:stop]
+            views = {key: _slice(_kind(key, value, numel), value, start, stop) for key, value in whole.items()}
+            states[piece] = dict(views)
+            try:
+                step_alone(piece)
+            finally:
+                stepped = states.pop(piece, {})
+            for key, value in stepped.items():
+                kind = _kind(key, value, stop - start)
+                if key in views and value is not views[key] and kind in ("element", "block"):
+                    views[key].copy_(value)  # the optimizer replaced a state tensor rather than updating it in place
+                elif key not in views or kind == "scalar":
+                    _gather(gathered, key, kind, value, p, start, stop)
+        states[p] = {**whole, **gathered}
+
+
+def _kind(key: str, value: Any, numel: int) -> str | None:
+    """How a state entry of a parameter (or slice) of `numel` elements is sliced: per element, per bitsandbytes
+    block, shared by every slice (bitsandbytes' quantization maps), a scalar; None where it cannot be."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return "scalar"
+    if value.numel() == numel and value.is_contiguous():
+        return "element"
+    if key in ("absmax1", "absmax2") and value.numel() == -(-numel // _BLOCK):
+        return "block"
+    return "shared" if key in ("qmap1", "qmap2") else None
+
+
+def _slice(kind: str | None, value: Any, start: int, stop: int) -> Any:
+    if kind == "element":
+        return value.view(-1)[start:stop]
+    if kind == "block":
+        return value[start // _BLOCK : -(-stop // _BLOCK)]
+    return value.clone() if kind == "scalar" and isinstance(value, torch.Tensor) else value
+
+
+def _gather(gathered: dict[str, Any], key: str, kind: str | None, value: Any, p: torch.Tensor, start: int,
+            stop: int) -> None:  # fmt: skip
+    """A slice's new state entry put into the parameter's: per-element and per-block entries into tensors of the
+    parameter's size, made at the first slice; a scalar's last value (every slice's is the same)."""
+    if kind in ("element", "block"):
+        if key not in gathered:
+            size = p.shape if kind == "element" else (-(-p.numel() // _BLOCK),)
+            gathered[key] = torch.empty(size, dtype=value.dtype, device=value.device)
+        if gathered[key].dtype != value.dtype:  # e.g. bitsandbytes keeps a small tensor's state in 32 bits
+            raise RuntimeError(f"{_NAME}: the slices of one parameter made {key!r} of two dtypes; please report it")
+        _slice(kind, gathered[key], start, stop).copy_(value)
+    elif kind == "scalar" or (kind == "shared" and key not in gathered):
+        gathered[key] = value
+    elif kind is None:
+        raise RuntimeError(
+            f"{_NAME}: {type(p).__name__} state entry {key!r} of shape {tuple(value.shape)} is neither per element "
+            "nor a scalar: this optimizer cannot be stepped in slices; please report it"
+        )
+
+
+def _elementwise(optimizer: torch.optim.Optimizer) -> bool:
+    if type(optimizer) in _ELEMENTWISE:
+        return not any(group.get("differentiable") for group in optimizer.param_groups)
+    if _is_bitsandbytes(optimizer):  # not its per-tensor update clipping (max_unorm), LAMB's or LARS's trust ratio
+        name = type(optimizer).__name__
+        return bool(_ELEMENTWISE_BITSANDBYTES.fullmatch(name)) and not getattr(optimizer.args, "max_unorm", 0.0)
+    return False
+
+
+def _is_bitsandbytes(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer).__module__.startswith("bitsandbytes.") and hasattr(optimizer, "update_step")
+
+
+def _bitsandbytes_step(optimizer: Any, p: torch.Tensor, gindex: int, pindex: int) -> None:
+    """bitsandbytes' `Optimizer8bit.step` for one parameter (or a slice of it) at its group's and its own index
+    (`gindex`, `pindex`): its per-parameter settings (`GlobalOptimManager` overrides) are found by them."""
+    if not optimizer.initialized:
+        optimizer.check_overrides()  # over every group, as its first step() would
+        optimizer.to_gpu()
+        optimizer.initialized = True
+    group = optimizer.param_groups[gindex]
+    if not optimizer.state[p]:
+        optimizer.init_state(group, p, gindex, pindex)
+    optimizer.prefetch_state(p)
+    optimizer.update_step(group, p, gindex, pindex)
+    if p.device.type == "cuda":  # as its step() does after each parameter (paged state is updated asynchronously)
+        torch.cuda.synchronize(p.device)
 
 
 def optimizer_in_backward(

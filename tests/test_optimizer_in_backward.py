@@ -5,6 +5,7 @@ cannot do is refused by name; and the gradients never all exist at once."""
 from __future__ import annotations
 
 import functools
+import importlib
 
 import pytest
 import torch
@@ -44,8 +45,8 @@ OPTIMIZERS = {
 }
 
 
-def plain_run(make, data, *, clip=None, accumulation=1, policy=None, reentrant=False, scheduled=False):
-    model = mlp()
+def plain_run(make, data, *, clip=None, accumulation=1, policy=None, reentrant=False, scheduled=False, width=WIDTH):
+    model = mlp(width=width)
     optimizer = make(model.parameters())
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda i: 1 / (1 + i)) if scheduled else None
     for i, batch in enumerate(data):
@@ -60,8 +61,9 @@ def plain_run(make, data, *, clip=None, accumulation=1, policy=None, reentrant=F
     return model
 
 
-def in_backward_run(make, data, *, clip=None, accumulation=1, policy=None, reentrant=False, scheduled=False):
-    model = mlp()
+def in_backward_run(make, data, *, clip=None, accumulation=1, policy=None, reentrant=False, scheduled=False,
+                    width=WIDTH):  # fmt: skip
+    model = mlp(width=width)
     optimizer = fastckpt.optimizer_in_backward(
         make(model.parameters()), max_grad_norm=clip, accumulation_steps=accumulation
     )
@@ -193,6 +195,97 @@ def test_the_gradients_never_all_exist_at_once():
     assert plain_peak >= all_gradients
     # one gradient, and the optimizer's temporaries of one parameter
     assert in_backward_peak <= 3 * layer_bytes < plain_peak / 2, (in_backward_peak, plain_peak, layer_bytes)
+
+
+SLICED = {
+    **OPTIMIZERS,
+    "sgd-nesterov-dampened": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True, weight_decay=0.1),
+    "nadam": lambda ps: torch.optim.NAdam(ps, lr=1e-2),
+    "adagrad": lambda ps: torch.optim.Adagrad(ps, lr=1e-2),
+    "rmsprop-centered": lambda ps: torch.optim.RMSprop(ps, lr=1e-3, momentum=0.5, centered=True),
+    "bitsandbytes-adamw8bit": "AdamW8bit",
+    "bitsandbytes-lion8bit": "Lion8bit",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SLICED))
+def test_a_large_parameter_is_stepped_in_slices_bit_for_bit(name, monkeypatch):
+    """A parameter over twice SLICE_BYTES is stepped slice by slice, its state made per slice on the first step
+    and gathered, then sliced: the weights and the state after three iterations are the plain loop's."""
+    make = SLICED[name]
+    if isinstance(make, str):
+        make = functools.partial(getattr(pytest.importorskip("bitsandbytes").optim, make), lr=1e-3)
+    module = importlib.import_module("fastckpt.optimizer_in_backward")
+    monkeypatch.setattr(module, "SLICE_BYTES", 4096 * 4)  # 128 x 128 weights: four slices of 4,096 elements
+    sliced = []
+    step = module._Slices.step
+    monkeypatch.setattr(module._Slices, "step", lambda self, *a: (sliced.append(self.p), step(self, *a))[1])
+    data = batches(3, width=128)
+    assert_same_parameters(in_backward_run(make, data, width=128), plain_run(make, data, width=128))
+    assert len(sliced) == 3 * 4  # every weight, every iteration (the biases are stepped whole)
+
+    model, reference = mlp(width=128), mlp(width=128)
+    optimizer, plain = fastckpt.optimizer_in_backward(make(model.parameters())), make(reference.parameters())
+    for batch in data[:2]:
+        optimizer.backward(loss_of(model, batch))
+        loss_of(reference, batch).backward()
+        for stepping in (optimizer, plain):
+            stepping.step()
+            stepping.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        mine, theirs = optimizer.state[p], plain.state[q]
+        assert mine.keys() == theirs.keys()
+        for key, value in theirs.items():
+            assert torch.equal(torch.as_tensor(mine[key]), torch.as_tensor(value)), key
+
+
+def test_slicing_keeps_the_step_temporaries_to_a_slice(monkeypatch):
+    """AdamW's `foreach` step of a parameter makes a temporary of its size; stepped in slices, of a slice's."""
+    module = importlib.import_module("fastckpt.optimizer_in_backward")
+    width = 512
+    model = mlp(2, width)
+    x, y = torch.randn(2, width), torch.randn(2, 1)
+    optimizer = fastckpt.optimizer_in_backward(torch.optim.AdamW(model.parameters(), foreach=True))
+
+    def iteration() -> None:
+        optimizer.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+
+    iteration()  # the state exists
+    whole = peak_bytes(iteration)
+    monkeypatch.setattr(module, "SLICE_BYTES", 64 << 10)
+    in_slices = peak_bytes(iteration)
+    weight = width * width * 4
+    assert whole >= 2 * weight  # its gradient and the step's temporary of its size
+    assert in_slices <= weight + weight // 2 < whole, (in_slices, whole, weight)
+
+
+def test_bitsandbytes_per_parameter_settings_are_kept():
+    """Trainer keeps the embeddings' 8-bit AdamW state in 32 bits through bitsandbytes' per-parameter overrides,
+    which bitsandbytes finds by a parameter's group and index: each parameter is stepped at its own."""
+    bnb = pytest.importorskip("bitsandbytes")
+    manager = bnb.optim.GlobalOptimManager.get_instance()
+    data = batches(3)
+    runs = []
+    try:
+        for wrap in (False, True):
+            manager.initialize()
+            model = mlp()
+            manager.register_module_override(model[1][0], "weight", {"optim_bits": 32})  # before the first step
+            optimizer = bnb.optim.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=0)
+            optimizer = fastckpt.optimizer_in_backward(optimizer) if wrap else optimizer
+            for batch in data:
+                loss_of(model, batch).backward()  # stepped in it when wrapped
+                optimizer.step()
+                optimizer.zero_grad()
+            runs.append((model, [optimizer.state[p]["state1"].dtype for p in model.parameters()]))
+    finally:
+        manager.initialize()
+    (plain, plain_dtypes), (wrapped, dtypes) = runs
+    assert dtypes == plain_dtypes and dtypes[:3] == [torch.uint8, torch.uint8, torch.float32]
+    assert_same_parameters(wrapped, plain)
 
 
 def test_what_cannot_step_in_the_backward_is_refused_by_name():
