@@ -194,14 +194,15 @@ def extrapolated(at: dict[int, Measured], layers: int) -> Measured:
     return Measured(line(m1.resident, m2.resident), phases, m2.seconds, m2.max_rss)
 
 
-def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, isolated: bool = True) -> list[dict]:
+def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, isolated: bool = True,
+        configs: tuple[Config, ...] = CONFIGS) -> list[dict]:  # fmt: skip
     shape = SHAPES[workload.shape]
     autocast = device.type == "cuda" or "amx_bf16" in cpu_flags()
     depths = (shape.layers,) if full_depth or device.type == "cuda" else DEPTHS
     started = time.perf_counter()
     results: dict[str, Measured] = {}
     failed: dict[str, str] = {}
-    for config in CONFIGS:
+    for config in configs:
         try:
             at = {}
             for layers in depths:
@@ -224,7 +225,7 @@ def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, 
           if device.type == "cpu" else f"device: {torch.cuda.get_device_name(device)}")  # fmt: skip
     print(f"{'config':<80}{'total MiB':>10}{'x HF GC':>9}{'above MiB':>10}{'x HF GC':>9}{'s/iter':>8}{'x HF GC':>9}")
     table = []
-    for config in CONFIGS:
+    for config in configs:
         if config.name not in results:
             print(f"{config.name:<80}FAILED: {failed[config.name]}")
             continue
@@ -250,12 +251,16 @@ def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, 
 
 
 def main(device: str = "cpu", out: str | None = None, quick: bool = False, smoke: bool = False,
-         full_depth: bool = False) -> list[dict]:  # fmt: skip
-    """Every workload's table (SMOKE: a tiny Llama, its numbers meaning nothing); `quick`: one timed iteration."""
+         full_depth: bool = False, in_backward_only: bool = False) -> list[dict]:  # fmt: skip
+    """Every workload's table (SMOKE: a tiny Llama, its numbers meaning nothing); `quick`: one timed iteration;
+    `in_backward_only`: the rows stepping in the backward alone (the others hold every gradient: at full depth
+    on a CPU host, more than its memory), their ratios left blank."""
     dev = torch.device(device)
+    configs = tuple(c for c in CONFIGS if c.in_backward or not in_backward_only)
     table = []
     for workload in SMOKE if smoke else WORKLOADS:
-        table += run(workload, dev, full_depth, timed=1 if quick or smoke else 2, isolated=not smoke)
+        timed = 1 if quick or smoke else 2
+        table += run(workload, dev, full_depth, timed, isolated=not smoke, configs=configs)
     if out:
         write_csv(table, out, "iteration.csv")
     return table
@@ -269,9 +274,10 @@ if __name__ == "__main__":
     parser.add_argument("--smoke", action="store_true", help="a tiny Llama, once")
     parser.add_argument("--quick", action="store_true", help="one timed iteration per row")
     parser.add_argument("--full-depth", action="store_true", help="the model's own depth, not 1 and 2 layers")
+    parser.add_argument("--in-backward-only", action="store_true", help="the rows stepping in the backward alone")
     parser.add_argument("--workload", choices=[w.shape for w in WORKLOADS], default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if args.workload:
         WORKLOADS = tuple(w for w in WORKLOADS if w.shape == args.workload)
-    main(args.device, args.out, args.quick, args.smoke, args.full_depth)
+    main(args.device, args.out, args.quick, args.smoke, args.full_depth, args.in_backward_only)

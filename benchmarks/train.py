@@ -245,8 +245,13 @@ def _each(configs: Iterable[Any], run: Callable[[Any], dict], failed: dict[str, 
     return rows
 
 
-def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> list[dict]:
-    """Train once per policy, then the LoRA job once per configuration; print final losses against plain."""
+SECTIONS = ("policies", "in-backward", "lora")  # the storage policies, the optimizer in the backward, the LoRA job
+
+
+def main(device: str = "cpu", out: str | None = None, quick: bool = False,
+         sections: Iterable[str] = SECTIONS) -> list[dict]:  # fmt: skip
+    """Train once per policy, then with the optimizer in the backward, then the LoRA job once per configuration
+    (each of `sections`); print final losses against plain."""
     dev = torch.device(device)
     text = corpus(dev)
     split = int(len(text) * 0.9)
@@ -254,20 +259,38 @@ def main(device: str = "cpu", out: str | None = None, quick: bool = False) -> li
     seq = 128 if dev.type == "cuda" else 64
     val = batches(text[split:], 8, 16, seq, seed=2)
     failed: dict[str, str] = {}
-    rows = _each(POLICIES, lambda policy: train(policy, text[:split], val, steps, dev), failed)
-    print(f"char-level GPT on {len(text) / 1e6:.2f} MB of Python stdlib source, {steps} AdamW steps, device {device}")
-    _print_losses(rows, 12)
-    for r in rows:
-        if r["note"]:
-            print(r["note"])
-    clipped = _each(
-        CLIPPED, lambda name: train(CLIPPED[name][0], text[:split], val, steps, dev, 1.0, CLIPPED[name][1], name),
-        failed,
-    )  # fmt: skip
-    print("\nThe same GPT, AdamW stepped after or in the backward (fastckpt.optimizer_in_backward), clipping at 1.0")
-    _print_losses(clipped, 48)
-    lora_rows = _each(LORA_CONFIGS, lambda name: train_lora(name, text[:split], val, steps, dev), failed)
-    print(f"\nLoRA r=8 on a 4-layer random-init Llama over the same text, bf16 autocast, padded batches, {steps} "
-          "AdamW steps")  # fmt: skip
-    _print_losses(lora_rows, 64)
+    rows, clipped, lora_rows = [], [], []
+    if "policies" in sections:
+        rows = _each(POLICIES, lambda policy: train(policy, text[:split], val, steps, dev), failed)
+        print(f"char-level GPT on {len(text) / 1e6:.2f} MB of Python stdlib source, {steps} AdamW steps, "
+              f"device {device}")  # fmt: skip
+        _print_losses(rows, 12)
+        for r in rows:
+            if r["note"]:
+                print(r["note"])
+    if "in-backward" in sections:
+        clipped = _each(
+            CLIPPED, lambda name: train(CLIPPED[name][0], text[:split], val, steps, dev, 1.0, CLIPPED[name][1], name),
+            failed,
+        )  # fmt: skip
+        print(f"\nThe char-level GPT, AdamW stepped after or in the backward (fastckpt.optimizer_in_backward), "
+              f"clipping at 1.0, {steps} steps, device {device}")  # fmt: skip
+        _print_losses(clipped, 48)
+    if "lora" in sections:
+        lora_rows = _each(LORA_CONFIGS, lambda name: train_lora(name, text[:split], val, steps, dev), failed)
+        print(f"\nLoRA r=8 on a 4-layer random-init Llama over the same text, bf16 autocast, padded batches, {steps} "
+              "AdamW steps")  # fmt: skip
+        _print_losses(lora_rows, 64)
     return finish(rows + clipped + lora_rows, failed, 64, out, f"train_{dev.type}.csv")
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.train", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="60 steps instead of 300")
+    parser.add_argument("--section", choices=SECTIONS, action="append", help="one section (repeatable); default all")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    main(args.device, args.out, args.quick, args.section or SECTIONS)

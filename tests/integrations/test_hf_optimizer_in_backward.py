@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
+from fastckpt.integrations.hf.trainer import innermost  # noqa: E402
 from tests.integrations.test_hf import tiny_llama  # noqa: E402
 from tests.integrations.test_hf_budget import _IterationTotals, sample  # noqa: E402
 
@@ -105,3 +106,27 @@ def test_fp16_is_refused(tmp_path):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="fp16 training \\(a GradScaler\\) cannot step in the backward"):
         train(tmp_path, tiny_llama(), in_backward=True, steps=1, scaler=torch.amp.GradScaler("cpu"))
+
+
+def test_trainers_8bit_adamw_keeps_its_32_bit_embeddings(tmp_path):
+    """Trainer's `optim="adamw_bnb_8bit"` keeps the embeddings' state in 32 bits (a bitsandbytes per-parameter
+    override, found by the parameter's group and index): stepped in the backward, the same state and weights."""
+    bnb = pytest.importorskip("bitsandbytes")
+    runs = []
+    try:
+        for in_backward in (False, True):
+            bnb.optim.GlobalOptimManager.get_instance().initialize()  # Trainer registers its overrides anew
+            torch.manual_seed(0)
+            model = tiny_llama()
+            trainer, logs = train(tmp_path / str(in_backward), model, in_backward=in_backward, optim="adamw_bnb_8bit",
+                                  learning_rate=1e-2)  # fmt: skip
+            optimizer = innermost(trainer.optimizer)  # the bitsandbytes optimizer, under the wrappers
+            runs.append((model, {name: optimizer.state[p]["state1"].dtype for name, p in model.named_parameters()},
+                         [log["loss"] for log in logs]))  # fmt: skip
+    finally:
+        bnb.optim.GlobalOptimManager.get_instance().initialize()
+    (plain, plain_dtypes, plain_losses), (model, dtypes, losses) = runs
+    assert dtypes == plain_dtypes and dtypes["model.embed_tokens.weight"] == torch.float32
+    assert torch.uint8 in dtypes.values()
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    assert_close_parameters(model, plain, 1e-5)
