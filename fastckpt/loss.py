@@ -30,20 +30,29 @@ import torch.nn.functional as F
 
 _NAME = "fastckpt.linear_cross_entropy: "
 
-# Backwards run twice through the same graph (fastckpt.optimizer_in_backward's norm pass, then its step pass):
-# while this is non-zero the head hands out scaled copies of its gradients and keeps them for the next backward.
-_repeated_backwards = 0
+# Backwards run twice through the same graph (fastckpt.optimizer_in_backward's norm pass, then its step pass).
+# Within the first, the head hands out a copy of its input's gradient (kept for the second) but its trained leaf
+# parameters' gradients themselves, once, recording those parameters in the set `backward_repeated()` yields: its
+# owner keeps their gradients for the step, and the second backward hands them out no more. A copy of the weight's
+# gradient would be a second [vocab, hidden] fp32 tensor beside it (1 GiB at Llama-3.2-1B's shape).
+_handed_out: list[set[torch.Tensor]] = []  # one set per enclosing backward_repeated()
 
 
 @contextlib.contextmanager
 def backward_repeated() -> Any:
-    """Within it, a backward through the loss head leaves the head's gradients for one more backward."""
-    global _repeated_backwards
-    _repeated_backwards += 1
+    """Within it, a backward through the loss head leaves the gradient of its input for one more backward and
+    hands out its parameters' gradients once; yields the set of those parameters."""
+    handed: set[torch.Tensor] = set()
+    _handed_out.append(handed)
     try:
-        yield
+        yield handed
     finally:
-        _repeated_backwards -= 1
+        _handed_out.pop()
+
+
+def handed_out_before(parameter: torch.Tensor) -> bool:
+    """Whether a loss head handed out `parameter`'s gradient in the enclosing backward_repeated()'s backward."""
+    return bool(_handed_out) and parameter in _handed_out[-1]
 
 
 # The default chunk (default_chunk_size says why): about CHUNK_BYTES of fp32 logits and at least MIN_CHUNK tokens
@@ -405,6 +414,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.leaves = (None, *(p if p is not None and p.is_leaf else None for p in (weight, bias)))  # see _handed_out
         with torch.autocast(hidden.device.type, enabled=False):
             total, grads = _fused(hidden, weight, bias, labels, head, needs_hidden, needs_weight, needs_bias)
         ctx.grads = grads
@@ -430,13 +440,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 "loss again for another backward"
             )
         factor = grad_output if ctx.scale is None else grad_output * ctx.scale
-        grads, keep = ctx.grads, bool(_repeated_backwards)  # another backward follows: scaled copies, grads kept
-        if not keep:
-            ctx.grads = None  # released here, so that autograd may take the tensors without a copy
-        out = [
-            None if grad is None else grad.to(dtype, copy=keep).mul_(factor)
-            for grad, dtype in zip(grads, ctx.dtypes, strict=True)
-        ]
+        grads, out = list(ctx.grads), []
+        for i, (grad, dtype, leaf) in enumerate(zip(grads, ctx.dtypes, ctx.leaves, strict=True)):
+            copied = bool(_handed_out) and leaf is None  # another backward follows and needs it: a scaled copy
+            out.append(None if grad is None else grad.to(dtype, copy=copied).mul_(factor))
+            if grad is not None and not copied:  # released, so that autograd may take the tensor without a copy
+                grads[i] = None
+                if _handed_out:
+                    _handed_out[-1].add(leaf)
+        ctx.grads = grads if _handed_out else None  # what is left for the next backward: the kept copies' sources
         return (*out, None, None, None)
 
 

@@ -91,11 +91,15 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._measured: dict[torch.Tensor, torch.Tensor] = {}  # norms of this iteration's stepped gradients
         self._norm_pass = False  # the first of backward()'s two passes runs: gradients measured, then freed
         self._clip: torch.Tensor | None = None  # the step pass's clipping coefficient
+        # a loss head hands out its parameters' gradients (computed in the forward) once, in the norm pass
+        # (fastckpt.loss.backward_repeated): held here for the step, after the step pass
+        self._handed_out: set[torch.Tensor] = set()
+        self._held: dict[torch.Tensor, torch.Tensor] = {}
         self._clipped = False  # the held gradients were clipped by clip_grad_norm_ in this iteration
         self._warned_kept = False
         self._groups: tuple[int, int] | None = None  # (id, length) of the param_groups list the index was built on
         self._index: dict[torch.Tensor, tuple[int, int]] = {}  # parameter -> (its group's index, its index there)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_gradient) for p in self._parameters()]
+        self._handles = self._hooked(self._parameters())
 
     # The wrapped optimizer's groups, state and defaults (its load_state_dict replaces the objects: read them live).
     @property
@@ -143,7 +147,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
             return
         self._norm_pass = True
         try:
-            with backward_repeated():
+            with backward_repeated() as self._handed_out:
                 loss.backward(**{**kwargs, "retain_graph": True})
         finally:
             self._norm_pass = False
@@ -151,8 +155,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._clip = _clip_coefficient(self.max_grad_norm, self._total(normed))
         try:
             loss.backward(**kwargs)
+            for p in list(self._held):  # gradients the loss head handed out once, in the norm pass
+                p.grad = self._held.pop(p).mul_(self._clip)
+                self._step_parameter(p)
         finally:
-            self._clip = None
+            self._clip, self._handed_out = None, set()
+            self._held.clear()
         if any(p not in self._stepped for p in normed) or any(p not in normed for p in self._stepped):
             raise RuntimeError(
                 f"{_NAME}: the norm pass and the step pass reached different parameters ({len(normed)} and "
@@ -216,13 +224,18 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
-        self._handles += [p.register_post_accumulate_grad_hook(self._on_gradient) for p in param_group["params"]]
+        self._handles += self._hooked(param_group["params"])
 
     def remove(self) -> None:
         """Take the hooks off: the wrapped optimizer steps as a plain one again."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _hooked(self, parameters: Iterable[torch.Tensor]) -> list[Any]:
+        """Hook each trained parameter (a frozen one handed to the optimizer gets no gradient: a parameter unfrozen
+        later is stepped by step(), its gradient kept until then, as in the plain loop)."""
+        return [p.register_post_accumulate_grad_hook(self._on_gradient) for p in parameters if p.requires_grad]
 
     def _parameters(self) -> Iterable[torch.Tensor]:
         return (p for group in self.optimizer.param_groups for p in group["params"])
@@ -247,9 +260,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     @torch.no_grad()
     def _on_gradient(self, p: torch.Tensor) -> None:
-        if self._norm_pass:  # measured, then freed
+        if self._norm_pass:  # measured, then freed (or held for the step, where the step pass brings it no more)
             self._measured[p] = torch.linalg.vector_norm(p.grad)
+            if p in self._handed_out:
+                self._held[p] = p.grad
             p.grad = None
+            return
+        if p in self._held:  # its whole gradient is held from the norm pass: what arrives now is a part of it again
+            p.grad = None  # (a tied embedding's lookup; the loss head's own part is not handed out twice)
             return
         if p in self._stepped:
             raise RuntimeError(

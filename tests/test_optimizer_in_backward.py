@@ -288,6 +288,50 @@ def test_bitsandbytes_per_parameter_settings_are_kept():
     assert_same_parameters(wrapped, plain)
 
 
+class HeadLM(torch.nn.Module):
+    """An embedding, a block and fastckpt.linear_cross_entropy's head, whose weight is the embedding's when `tied`
+    (as in tied LLMs; untied, the embedding is frozen)."""
+
+    def __init__(self, tied: bool, vocab: int = 512, width: int = 64) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = torch.nn.Embedding(vocab, width)
+        self.block = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.GELU())
+        self.head = self.embedding.weight if tied else torch.nn.Parameter(torch.randn(vocab, width) / 8)
+        self.embedding.weight.requires_grad_(tied)  # untied: the head's is the one [vocab, width] gradient
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.block(self.embedding(tokens[:, :-1]))
+        return fastckpt.linear_cross_entropy(hidden, self.head, tokens[:, 1:]) * 10
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_the_loss_heads_gradient_is_handed_out_once_over_the_two_passes(tied, monkeypatch):
+    """Exact clipping runs the backward twice; the loss head computed its weight's gradient in the forward and hands
+    it out in the first (the norm pass) without a copy: held for the step, not handed out again (a tied weight's
+    other gradient, the lookup's, is in what the first pass held). The weights are the plain loop's, and the
+    backward makes no second gradient of the weight (its step in slices, so that its temporaries are small)."""
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(0, 512, (4, 33), generator=g) for _ in range(3)]
+    models = [HeadLM(tied), HeadLM(tied)]
+    plain = torch.optim.AdamW(models[0].parameters(), lr=1e-2)
+    wrapped = fastckpt.optimizer_in_backward(torch.optim.AdamW(models[1].parameters(), lr=1e-2), max_grad_norm=1.0)
+    for tokens in data:
+        models[0](tokens).backward()
+        torch.nn.utils.clip_grad_norm_(models[0].parameters(), 1.0)
+        wrapped.backward(models[1](tokens))
+        for optimizer in (plain, wrapped):
+            optimizer.step()
+            optimizer.zero_grad()
+    assert_same_parameters(models[1], models[0], rtol=1e-6)
+    assert float(wrapped.grad_norm) > 1.0  # clipped
+    if not tied:  # (a plain tied lookup's gradient is dense: as large as the weight, in the plain loop too)
+        monkeypatch.setattr(importlib.import_module("fastckpt.optimizer_in_backward"), "SLICE_BYTES", 4096 * 4)
+        loss = models[1](data[0])  # the head's gradient of its weight exists from here on
+        peak = peak_bytes(lambda: wrapped.backward(loss))
+        assert peak < models[1].head.numel() * 4, peak  # less than one more gradient of the weight
+
+
 def test_what_cannot_step_in_the_backward_is_refused_by_name():
     model = mlp()
     with pytest.raises(TypeError, match="`optimizer` must be a torch.optim.Optimizer"):
