@@ -182,6 +182,14 @@ def is_total(budget: int | str) -> bool:
     return isinstance(budget, str) and _parse(budget)[0] == "total"
 
 
+def total_bytes(size: str) -> int:
+    """A device total ('20GiB', '80 GB') in bytes; ValueError for anything else."""
+    kind, value = _parse(size)
+    if kind != "total":
+        raise ValueError(f"fastckpt: {size!r} is not a memory size such as '20GiB'")
+    return int(value)
+
+
 def _parse(budget: str) -> tuple[str, float]:
     """('percent', N) or ('total', bytes) for a budget string."""
     text = budget.strip()

@@ -1,0 +1,453 @@
+"""What fits: the longest sequence, and the largest batch at a given length, that a fine-tune of a transformers
+model holds in a memory size, under HF gradient checkpointing and under fastckpt, answered before the run.
+
+    python -m fastckpt.fits llama-3.2-1b --lora 16 --memory 24GiB,80GiB --batch-at 4096
+    python -m fastckpt.fits path/to/config.json --full --memory 80GiB --verify 2048
+
+    report = fastckpt.fits.what_fits("qwen2.5-0.5b", lora=16, memory=["24GiB", "80GiB"])
+    print(report.table())
+
+How. The model is built from its configuration with random weights at one and at two layers, and its training
+step (one row of tokens: forward with the loss, backward) is measured on this machine at two lengths for each
+method. The step's peak above what is live before it is a bilinear function of the layers and the tokens (the
+layer inputs the backward needs grow with both, one layer's working set and the head's with the tokens): the
+four measurements determine it, and it is carried to the model's depth. The device total adds what is live
+before the step at the model's depth, counted on the meta device without allocating it: the weights and AdamW's
+state of the trained parameters (two fp32 tensors each); for a full fine-tune, whose AdamW step (`foreach`) holds
+every gradient and temporaries of their size, that step too. The longest length is where that total reaches the
+memory size; a batch of B rows of N tokens is taken as B x N tokens (true of the activations; attention's working
+set is per row, and memory-efficient attention keeps it linear).
+
+What a run on a CPU does not see of a GPU (the report says it): the attention kernel (CUDA's flash and
+memory-efficient SDPA kernels are linear in the length like the CPU's; an eager or math attention is quadratic),
+the CUDA caching allocator's reserve above what is allocated, and the CUDA context and library workspaces (some
+hundreds of MiB, outside any tensor). bf16 autocast on a CPU without AMX is emulated and slow: `compute="fp32"`
+measures in fp32 there, whose activations are twice bf16's (the report says which was measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fastckpt.loss import default_chunk_size
+from fastckpt.memory import peak_bytes
+from fastckpt.planner.budgets import format_bytes, total_bytes
+
+_NAME = "fastckpt.fits"
+HF_GC = "HF GC"
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ADAM_STATE_BYTES = 8  # AdamW's two fp32 tensors per trained element
+
+# Configurations of models users fine-tune (random weights: nothing is downloaded); a path to a config.json (or a
+# directory holding one) works for any other.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": {
+        "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+    },
+    "llama-3.1-8b": {
+        "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256, "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2.5-0.5b": {
+        "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "tiny-llama": {  # for tests and a first try: seconds on any machine
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 160, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024, "rope_theta": 500000.0,
+        "tie_word_embeddings": True,
+    },
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Line:
+    """Bytes = base + per_token x tokens (at one depth)."""
+
+    base: float
+    per_token: float
+
+    def at(self, tokens: float) -> float:
+        return self.base + self.per_token * tokens
+
+    def solve(self, total: float) -> int | None:
+        """The most tokens whose bytes are at most `total` (None: unbounded, the line does not grow)."""
+        if self.per_token <= 0:
+            return None if self.base <= total else 0
+        return max(0, math.floor((total - self.base) / self.per_token))
+
+
+@dataclass
+class Method:
+    """One way to train the model: its measured step peaks and what they predict at the model's depth."""
+
+    name: str
+    measured: dict[tuple[int, int], int]  # (layers, tokens) -> the step's peak above what was live before it
+    depth: int  # the model's layers
+    resident: int  # bytes live before the step at the model's depth (weights, optimizer state)
+    optimizer_step: int  # bytes the optimizer's step holds at its peak (gradients and temporaries), 0 for LoRA
+
+    def peak(self) -> Line:
+        """The step's peak above what is live before it, at the model's depth, as a line in the tokens."""
+        (l1, l2), (n1, n2) = sorted({k[0] for k in self.measured}), sorted({k[1] for k in self.measured})
+
+        def at_depth(n: int) -> float:
+            one, two = self.measured[(l1, n)], self.measured[(l2, n)]
+            return one + (two - one) / (l2 - l1) * (self.depth - l1)
+
+        slope = (at_depth(n2) - at_depth(n1)) / (n2 - n1)
+        return Line(at_depth(n1) - slope * n1, slope)
+
+    def longest(self, memory: int) -> int | None:
+        """The most tokens whose device total fits `memory`: what is live before the step plus its peak, and plus
+        the optimizer step's (0: none; None: the total does not grow with the tokens)."""
+        if self.resident + self.optimizer_step > memory:
+            return 0
+        return self.peak().solve(memory - self.resident)
+
+
+@dataclass
+class Report:
+    """What `what_fits` measured and predicted."""
+
+    name: str
+    description: str
+    memories: list[int]
+    methods: list[Method]
+    batch_at: int | None
+    measured_on: str
+    compute: str
+    lengths: tuple[int, int]
+    layers: tuple[int, int]
+    verified: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # method -> (tokens,
+    # measured, predicted) at the deeper measured depth
+
+    def rows(self) -> list[dict[str, Any]]:
+        rows = []
+        for method in self.methods:
+            row: dict[str, Any] = {"method": method.name, "resident_MiB": method.resident / 2**20,
+                                   "MiB_per_1k_tokens": method.peak().per_token * 1024 / 2**20}  # fmt: skip
+            for memory in self.memories:
+                longest = method.longest(memory)
+                row[f"longest_{format_bytes(memory)}"] = longest
+                if self.batch_at:
+                    row[f"batch_at_{self.batch_at}_{format_bytes(memory)}"] = (
+                        None if longest is None else longest // self.batch_at
+                    )
+            rows.append(row)
+        return rows
+
+    def table(self) -> str:
+        """The report as text: the model, what was measured where, one line per method, their ratio."""
+        (l1, l2), (n1, n2) = self.layers, self.lengths
+        lines = [f"{self.name}: {self.description}",
+                 f"measured on {self.measured_on} in {self.compute} at {l1} and {l2} layers x {n1:,} and {n2:,} "
+                 f"tokens, carried to {self.methods[0].depth} layers"]  # fmt: skip
+        header = f"{'method':<34}{'live before':>13}{'per 1K tok':>12}"
+        for memory in self.memories:
+            header += f"{'longest in ' + format_bytes(memory):>24}"
+            if self.batch_at:
+                header += f"{'batch @' + format(self.batch_at, ',') + ' in ' + format_bytes(memory):>28}"
+        lines.append(header)
+        longest: dict[str, list[int | None]] = {}  # per method, per memory size
+        for method in self.methods:
+            line = (f"{method.name:<34}{format_bytes(method.resident):>13}"
+                    f"{format_bytes(int(method.peak().per_token * 1024)):>12}")  # fmt: skip
+            longest[method.name] = []
+            for memory in self.memories:
+                tokens = method.longest(memory)
+                longest[method.name].append(tokens)
+                line += f"{_tokens(tokens):>24}"
+                if self.batch_at:
+                    line += f"{_tokens(None if tokens is None else tokens // self.batch_at, 'rows'):>28}"
+            lines.append(line)
+        if len(self.methods) == 2 and self.methods[0].name == HF_GC:
+            pairs = zip(self.memories, longest[self.methods[1].name], longest[HF_GC], strict=True)
+            ratios = [f"{ours / theirs:.1f}x in {format_bytes(memory)}" for memory, ours, theirs in pairs
+                      if ours and theirs]  # fmt: skip
+            if ratios:
+                lines.append(f"longest sequence, {self.methods[1].name} / {HF_GC}: {', '.join(ratios)}")
+        for name, (tokens, measured, predicted) in self.verified.items():
+            lines.append(f"verified: {name} at {self.layers[1]} layers x {tokens:,} tokens: step peak measured "
+                         f"{format_bytes(measured)}, predicted {format_bytes(predicted)} "
+                         f"({(predicted - measured) / measured:+.1%})")  # fmt: skip
+        lines += _differences(self.measured_on, self.compute)
+        return "\n".join(lines)
+
+
+def _tokens(count: int | None, unit: str = "tokens") -> str:
+    if count is None:
+        return "unbounded"
+    return "none fits" if count == 0 else f"{count:,} {unit}"
+
+
+def _differences(measured_on: str, compute: str) -> list[str]:
+    notes = []
+    if measured_on.startswith("cpu"):
+        notes.append(
+            "measured on a CPU: on a GPU add the CUDA context and library workspaces (some hundreds of MiB) and the "
+            "caching allocator's reserve; CUDA's flash / memory-efficient attention is linear in the length as "
+            "here, an eager or math attention is not"
+        )
+    if compute == "fp32":
+        notes.append("fp32 compute (bf16 is emulated on this CPU): activations are twice bf16 autocast's")
+    return notes
+
+
+def parse_memory(text: str | int) -> int:
+    """'24GiB', '80 GB', 2**30 -> bytes."""
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    try:
+        return total_bytes(str(text))
+    except ValueError:
+        raise ValueError(
+            f"{_NAME}: `memory` must be a size such as '24GiB' or '80GB' (or bytes), got {text!r}"
+        ) from None
+
+
+def load_config(model: str | dict[str, Any]) -> Any:
+    """A transformers config from a known shape's name, a config.json path (or its directory), or a dict."""
+    import transformers
+
+    if isinstance(model, dict):
+        values = dict(model)
+    elif model in SHAPES:
+        values = dict(SHAPES[model])
+    else:
+        path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"{_NAME}: `model` must be one of {', '.join(SHAPES)}, a config.json or a directory holding one; "
+                f"got {model!r}"
+            )
+        with open(path) as f:
+            values = json.load(f)
+    if "model_type" not in values:
+        raise ValueError(f"{_NAME}: the configuration has no 'model_type' (which transformers model is it?)")
+    model_type = values.pop("model_type")
+    config = transformers.AutoConfig.for_model(model_type, **values)
+    config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+    return config
+
+
+def at_depth(config: Any, layers: int) -> Any:
+    """A copy of `config` with `layers` decoder layers (per-layer lists cut to them)."""
+    config = type(config).from_dict(config.to_dict())
+    config.num_hidden_layers = layers
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:layers]
+    return config
+
+
+def build(config: Any, lora: int | None, dtype: torch.dtype, device: torch.device | str = "cpu") -> Any:
+    """The causal LM at `config` (seeded random weights): frozen weights in `dtype` with LoRA adapters of rank
+    `lora` (fp32) on the attention and MLP projections, or all weights trained (fp32: mixed precision)."""
+    import transformers
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype if lora else torch.float32)
+    if lora:
+        import peft
+
+        targets = [t for t in LORA_TARGETS if any(name.endswith(t) for name, _ in model.named_modules())]
+        adapters = peft.LoraConfig(r=lora, lora_alpha=2 * lora, target_modules=targets, init_lora_weights=False)
+        model = peft.get_peft_model(model, adapters)
+    return model.train()
+
+
+def live_before_step(config: Any, lora: int | None, dtype: torch.dtype) -> tuple[int, int]:
+    """(bytes of the weights and AdamW's state, bytes of the trained parameters) at `config`'s depth, counted on
+    the meta device."""
+    model = build(config, lora, dtype, "meta")
+    unique = {id(p): p for p in model.parameters()}.values()
+    weights = sum(p.numel() * p.element_size() for p in unique)
+    trained = sum(p.numel() for p in unique if p.requires_grad)
+    return weights + ADAM_STATE_BYTES * trained, trained * 4
+
+
+def _step(model: Any, tokens: int, vocab: int, device: torch.device, autocast: bool) -> Callable[[], None]:
+    generator = torch.Generator().manual_seed(tokens)
+    ids = torch.randint(1, vocab, (1, tokens), generator=generator).to(device)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return step
+
+
+def _prepare(method: str, model: Any, policy: str) -> None:
+    if method == HF_GC:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        from fastckpt.integrations import hf
+
+        padded = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        hf.enable(model, policy=policy, loss_head=True, padded_attention=padded)
+
+
+def measure_steps(config: Any, method: str, policy: str, lora: int | None, dtype: torch.dtype, layers: int,
+                  lengths: Sequence[int], device: torch.device, autocast: bool) -> dict[int, int]:  # fmt: skip
+    """The step's peak above what was live before it, per length: `method` on the model at `layers`, one row."""
+    model = build(at_depth(config, layers), lora, dtype, device)
+    _prepare(method, model, policy)
+    peaks = {}
+    for tokens in lengths:
+        step = _step(model, tokens, config.vocab_size, device, autocast)
+        step()  # warm-up: what is allocated once (caches, lazily built buffers) is not the step's
+        peaks[tokens] = peak_bytes(step, device)
+    return peaks
+
+
+def what_fits(
+    model: str | dict[str, Any],
+    *,
+    lora: int | None = 16,
+    memory: Sequence[str | int] | str | int = ("24GiB", "80GiB"),
+    policy: str = "recompute+int8",
+    dtype: str = "bf16",
+    compute: str | None = None,
+    lengths: tuple[int, int] | None = None,
+    layers: tuple[int, int] = (1, 2),
+    batch_at: int | None = None,
+    verify: int | None = None,
+    device: str = "cpu",
+) -> Report:
+    """The longest sequence (and the largest batch at `batch_at` tokens) that fits each `memory` size, under HF
+    gradient checkpointing and under fastckpt's `policy` (`hf.enable(model, policy, loss_head=True,
+    padded_attention=True)`), for the model at `model` (a name in SHAPES, a config.json path, or a dict).
+
+    Args:
+        lora: LoRA rank on the attention and MLP projections (the frozen weights in `dtype`); None: a full
+            fine-tune (fp32 weights, AdamW stepped after the backward).
+        dtype: the frozen weights' dtype under LoRA, "bf16" or "fp32".
+        compute: "bf16" (autocast) or "fp32"; default bf16 where it is native (a GPU, a CPU with AMX), else fp32.
+        lengths, layers: the two lengths and the two depths measured; by default the lengths are long enough
+            that the loss head's chunk (`fastckpt.loss.default_chunk_size`) stops growing with them: from two
+            shorter lengths the line would carry the growth of a whole-length chunk.
+        verify: also run the step at this many tokens (at the deeper depth measured) and report the prediction's
+            error there.
+    """
+    memories = [parse_memory(m) for m in ([memory] if isinstance(memory, (str, int)) else memory)]
+    if not memories:
+        raise ValueError(f"{_NAME}: `memory` names no size")
+    config = load_config(model)
+    lengths = lengths or default_lengths(config.vocab_size)
+    _check(lora, dtype, compute, lengths, layers, batch_at, verify)
+    dev = torch.device(device)
+    compute = compute or ("bf16" if dev.type == "cuda" or _has_amx() else "fp32")
+    weights_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    resident, trained_bytes = live_before_step(config, lora, weights_dtype)
+    # a full fine-tune's AdamW (foreach) step: every gradient and as many bytes of temporaries
+    optimizer_step = 0 if lora else 2 * trained_bytes
+    methods = []
+    for name in (HF_GC, f"fastckpt {policy}"):
+        measured = {
+            (depth, tokens): peak
+            for depth in layers
+            for tokens, peak in measure_steps(
+                config, name, policy, lora, weights_dtype, depth, lengths, dev, compute == "bf16"
+            ).items()
+        }
+        methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step))
+    label = model if isinstance(model, str) else config.model_type
+    what = f"LoRA r={lora}, frozen weights {dtype}" if lora else "full fine-tune, fp32 weights"
+    description = (f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
+                   f"{config.vocab_size:,}; {what}, AdamW; one row of tokens")  # fmt: skip
+    on = f"{dev.type}" + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
+    report = Report(str(label), description, memories, methods, batch_at, on, compute, tuple(lengths), tuple(layers))
+    if verify:
+        for method in methods:
+            (measured,) = measure_steps(
+                config, method.name, policy, lora, weights_dtype, layers[1], [verify], dev, compute == "bf16"
+            ).values()
+            shallow = Method(method.name, method.measured, layers[1], 0, 0)
+            report.verified[method.name] = (verify, measured, int(shallow.peak().at(verify)))
+    return report
+
+
+def default_lengths(vocab_size: int) -> tuple[int, int]:
+    """Two lengths past the loss head's chunk (four chunks and eight, at least 512 tokens, multiples of 256)."""
+    first = max(512, -(-4 * default_chunk_size(vocab_size) // 256) * 256)
+    return first, 2 * first
+
+
+def _has_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+def _check(lora: Any, dtype: Any, compute: Any, lengths: Any, layers: Any, batch_at: Any, verify: Any) -> None:
+    def positive_int(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if lora is not None and not positive_int(lora):
+        raise ValueError(f"{_NAME}: `lora` must be a rank >= 1 or None (a full fine-tune), got {lora!r}")
+    if dtype not in ("bf16", "fp32"):
+        raise ValueError(f"{_NAME}: `dtype` must be 'bf16' or 'fp32', got {dtype!r}")
+    if compute not in (None, "bf16", "fp32"):
+        raise ValueError(f"{_NAME}: `compute` must be 'bf16', 'fp32' or None, got {compute!r}")
+    for name, pair in (("lengths", lengths), ("layers", layers)):
+        if len(pair) != 2 or not all(positive_int(v) for v in pair) or pair[0] >= pair[1]:
+            raise ValueError(f"{_NAME}: `{name}` must be two increasing positive integers, got {pair!r}")
+    for name, value in (("batch_at", batch_at), ("verify", verify)):
+        if value is not None and not positive_int(value):
+            raise ValueError(f"{_NAME}: `{name}` must be a positive number of tokens or None, got {value!r}")
+
+
+def main(argv: Sequence[str] | None = None) -> Report:
+    parser = argparse.ArgumentParser(prog=f"python -m {_NAME}", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help=f"one of {', '.join(SHAPES)}, a config.json, or a directory holding one")
+    kind = parser.add_mutually_exclusive_group()
+    kind.add_argument("--lora", type=int, default=16, help="LoRA rank (default 16)")
+    kind.add_argument("--full", action="store_true", help="a full fine-tune instead of LoRA")
+    parser.add_argument("--memory", default="24GiB,80GiB", help="memory sizes, comma-separated (default 24GiB,80GiB)")
+    parser.add_argument("--policy", default="recompute+int8", help="fastckpt's policy (default recompute+int8)")
+    parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="LoRA's frozen weights")
+    parser.add_argument("--compute", default=None, choices=["bf16", "fp32"], help="default: bf16 where native")
+    parser.add_argument("--lengths", default=None, help="the two lengths measured (default: past the head's chunk)")
+    parser.add_argument("--layers", default="1,2", help="the two depths measured (default 1,2)")
+    parser.add_argument("--batch-at", type=int, default=None, help="also the largest batch of rows this long")
+    parser.add_argument("--verify", type=int, default=None, help="run the step at this length to check the line")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    report = what_fits(
+        args.model, lora=None if args.full else args.lora, memory=args.memory.split(","), policy=args.policy,
+        dtype=args.dtype, compute=args.compute, lengths=args.lengths and _pair(args.lengths, "--lengths"),
+        layers=_pair(args.layers, "--layers"), batch_at=args.batch_at, verify=args.verify, device=args.device,
+    )  # fmt: skip
+    print(report.table())
+    return report
+
+
+def _pair(text: str, flag: str) -> tuple[int, int]:  # "512,1024" -> (512, 1024)
+    try:
+        first, second = (int(v) for v in text.split(","))
+    except ValueError:
+        raise SystemExit(f"{_NAME}: {flag} takes two integers separated by a comma, got {text!r}") from None
+    return first, second
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""fastckpt.fits: the longest sequence a fine-tune holds in a memory size, predicted from steps measured at two
+lengths and two depths, checked against a step run at a longer length; too small a memory is an answer, not a
+crash; bad arguments name themselves."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from fastckpt import fits  # noqa: E402
+
+SMALL = {"compute": "fp32", "dtype": "fp32"}  # the lengths: past the loss head's chunk (2,048 and 4,096 tokens here)
+
+
+@pytest.fixture(scope="module")
+def lora_report() -> fits.Report:
+    return fits.what_fits("tiny-llama", lora=4, memory=["256MiB", "1GiB"], batch_at=4096, verify=8192, **SMALL)
+
+
+def test_the_prediction_holds_at_a_longer_length(lora_report):
+    for name, (tokens, measured, predicted) in lora_report.verified.items():
+        assert tokens == 8192
+        assert abs(predicted - measured) <= 0.15 * measured, (name, measured, predicted)
+
+
+def test_fastckpt_holds_longer_sequences_than_hf_gc(lora_report):
+    hf_gc, ours = lora_report.methods
+    assert hf_gc.name == fits.HF_GC and ours.name == "fastckpt recompute+int8"
+    assert 0 < hf_gc.peak().per_token and 0 < ours.peak().per_token < hf_gc.peak().per_token
+    for memory in lora_report.memories:
+        assert ours.longest(memory) > hf_gc.longest(memory) > 0
+        # the total at the longest length fits, one more token's does not
+        longest = ours.longest(memory)
+        assert ours.resident + ours.peak().at(longest) <= memory < ours.resident + ours.peak().at(longest + 1)
+    rows = lora_report.rows()
+    assert rows[1]["batch_at_4096_1.00 GiB"] == ours.longest(2**30) // 4096
+    text = lora_report.table()
+    assert "longest sequence, fastckpt recompute+int8 / HF GC" in text and "measured on a CPU" in text
+
+
+def test_what_is_live_before_the_step_is_counted_at_the_models_depth():
+    config = fits.load_config("tiny-llama")
+    resident, trained = fits.live_before_step(config, None, fits.torch.float32)
+    model = fits.build(config, None, fits.torch.float32)
+    parameters = sum(p.numel() for p in model.parameters())  # the tied embedding once
+    assert trained == parameters * 4 and resident == parameters * 4 + parameters * fits.ADAM_STATE_BYTES
+
+
+def test_a_memory_too_small_for_any_length_is_an_answer():
+    report = fits.what_fits("tiny-llama", lora=None, memory="1MiB", **SMALL)
+    assert all(method.longest(2**20) == 0 for method in report.methods)
+    assert report.table().count("none fits") == 2
+
+
+def test_a_config_json_is_read(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**fits.SHAPES["tiny-llama"], "num_hidden_layers": 3}))
+    assert fits.load_config(str(tmp_path)).num_hidden_layers == 3
+    assert fits.at_depth(fits.load_config(str(path)), 1).num_hidden_layers == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"memory": "lots"}, "`memory` must be a size such as '24GiB'"),
+        ({"lora": 0}, "`lora` must be a rank >= 1 or None"),
+        ({"lengths": (2048, 1024)}, "`lengths` must be two increasing positive integers"),
+        ({"dtype": "fp16"}, "`dtype` must be 'bf16' or 'fp32'"),
+        ({"model": "no-such-model"}, "`model` must be one of llama-3.2-1b"),
+    ],
+)
+def test_bad_arguments_name_themselves(kwargs, match):
+    arguments = {"model": "tiny-llama", **kwargs}
+    with pytest.raises(ValueError, match=match):
+        fits.what_fits(arguments.pop("model"), **arguments)
+
+
+def test_the_command_line_prints_the_report(capsys):
+    fits.main(["tiny-llama", "--lora", "4", "--memory", "256MiB", "--lengths", "1024,2048", "--compute", "fp32"])
+    out = capsys.readouterr().out
+    assert "longest in 256.00 MiB" in out and "HF GC" in out
