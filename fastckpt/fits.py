@@ -32,6 +32,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -330,6 +331,7 @@ def what_fits(
     batch_at: int | None = None,
     verify: int | None = None,
     device: str = "cpu",
+    log: Callable[[str], object] = lambda message: None,
 ) -> Report:
     """The longest sequence (and the largest batch at `batch_at` tokens) that fits each `memory` size, under HF
     gradient checkpointing and under fastckpt's `policy` (`hf.enable(model, policy, loss_head=True,
@@ -345,6 +347,7 @@ def what_fits(
             shorter lengths the line would carry the growth of a whole-length chunk.
         verify: also run the step at this many tokens (at the deeper depth measured) and report the prediction's
             error there.
+        log: called with a line before each measurement (the command line prints them: a real shape takes minutes).
     """
     memories = [parse_memory(m) for m in ([memory] if isinstance(memory, (str, int)) else memory)]
     if not memories:
@@ -360,13 +363,11 @@ def what_fits(
     optimizer_step = 0 if lora else 2 * trained_bytes
     methods = []
     for name in (HF_GC, f"fastckpt {policy}"):
-        measured = {
-            (depth, tokens): peak
-            for depth in layers
-            for tokens, peak in measure_steps(
-                config, name, policy, lora, weights_dtype, depth, lengths, dev, compute == "bf16"
-            ).items()
-        }
+        measured = {}
+        for depth in layers:
+            log(f"{_NAME}: {name} at {depth} layer(s), {lengths[0]:,} and {lengths[1]:,} tokens ({compute})")
+            peaks = measure_steps(config, name, policy, lora, weights_dtype, depth, lengths, dev, compute == "bf16")
+            measured.update({(depth, tokens): peak for tokens, peak in peaks.items()})
         methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step))
     label = model if isinstance(model, str) else config.model_type
     what = f"LoRA r={lora}, frozen weights {dtype}" if lora else "full fine-tune, fp32 weights"
@@ -376,6 +377,7 @@ def what_fits(
     report = Report(str(label), description, memories, methods, batch_at, on, compute, tuple(lengths), tuple(layers))
     if verify:
         for method in methods:
+            log(f"{_NAME}: {method.name} at {layers[1]} layers, {verify:,} tokens (the check)")
             (measured,) = measure_steps(
                 config, method.name, policy, lora, weights_dtype, layers[1], [verify], dev, compute == "bf16"
             ).values()
@@ -436,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
         args.model, lora=None if args.full else args.lora, memory=args.memory.split(","), policy=args.policy,
         dtype=args.dtype, compute=args.compute, lengths=args.lengths and _pair(args.lengths, "--lengths"),
         layers=_pair(args.layers, "--layers"), batch_at=args.batch_at, verify=args.verify, device=args.device,
+        log=lambda message: print(message, file=sys.stderr, flush=True),
     )  # fmt: skip
     print(report.table())
     return report
