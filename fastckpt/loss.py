@@ -50,11 +50,6 @@ def backward_repeated() -> Any:
         _handed_out.pop()
 
 
-def handed_out_before(parameter: torch.Tensor) -> bool:
-    """Whether a loss head handed out `parameter`'s gradient in the enclosing backward_repeated()'s backward."""
-    return bool(_handed_out) and parameter in _handed_out[-1]
-
-
 # The default chunk (default_chunk_size says why): about CHUNK_BYTES of fp32 logits and at least MIN_CHUNK tokens
 # (FAST_CHUNK where MIN_CHUNK's are more than CHUNK_BYTES), but at most MAX_CHUNK_BYTES of bf16 logits (the
 # chunk's one [tokens, vocab] buffer) and never fewer than FEWEST_TOKENS; when the weight gradient is computed at
