@@ -55,9 +55,9 @@ from benchmarks.steps import (
     sharing_copy,
     step,
 )
+from fastckpt.fits import LORA_TARGETS  # all seven projections, as fastckpt.fits measures them
 from fastckpt.memory import MemoryTrace
 
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WHOLE_STEP = "loss head + padded attention"
 
 

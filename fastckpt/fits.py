@@ -119,6 +119,11 @@ class Method:
             return 0
         return self.peak().solve(memory - self.resident)
 
+    def largest_batch(self, memory: int, length: int) -> int | None:
+        """The most rows of `length` tokens that fit `memory` (their tokens counted as one row's)."""
+        longest = self.longest(memory)
+        return None if longest is None else longest // length
+
 
 @dataclass
 class Report:
@@ -142,11 +147,10 @@ class Report:
             row: dict[str, Any] = {"method": method.name, "resident_MiB": method.resident / 2**20,
                                    "MiB_per_1k_tokens": method.peak().per_token * 1024 / 2**20}  # fmt: skip
             for memory in self.memories:
-                longest = method.longest(memory)
-                row[f"longest_{format_bytes(memory)}"] = longest
+                row[f"longest_{format_bytes(memory)}"] = method.longest(memory)
                 if self.batch_at:
-                    row[f"batch_at_{self.batch_at}_{format_bytes(memory)}"] = (
-                        None if longest is None else longest // self.batch_at
+                    row[f"batch_at_{self.batch_at}_{format_bytes(memory)}"] = method.largest_batch(
+                        memory, self.batch_at
                     )
             rows.append(row)
         return rows
@@ -173,7 +177,7 @@ class Report:
                 longest[method.name].append(tokens)
                 line += f"{_tokens(tokens):>24}"
                 if self.batch_at:
-                    line += f"{_tokens(None if tokens is None else tokens // self.batch_at, 'rows'):>28}"
+                    line += f"{_tokens(method.largest_batch(memory, self.batch_at), 'rows'):>28}"
             lines.append(line)
         if len(self.methods) == 2 and self.methods[0].name == HF_GC:
             pairs = zip(self.memories, longest[self.methods[1].name], longest[HF_GC], strict=True)
