@@ -20,8 +20,9 @@ What the plain loop does between the backward and its step is kept, not silently
   before the first step: `backward(loss)` runs the backward twice through the same graph, first computing the
   norms (each gradient freed as it is measured), then stepping with the clipped gradients (the cost: one more
   backward, with its recomputation). A trained parameter left out of the wrapped optimizer receives its gradient
-  in both passes (twice; restricting the first pass with `inputs=` would prune reentrant checkpoints' insides). A plain `loss.backward()` with clipping keeps the gradients and `step()`
-  clips and steps them (correct, no memory saved; a warning says so once).
+  in both passes (twice; restricting the first pass with `inputs=` would prune reentrant checkpoints' insides).
+  A plain `loss.backward()` with clipping keeps the gradients and `step()` clips and steps them (correct, no
+  memory saved; a warning says so once).
 - gradient accumulation (`accumulation_steps=N`): a parameter is stepped in the backward that brings its Nth
   gradient since the last `step()`; the earlier ones accumulate as usual (the memory of the gradients is then
   kept between micro-steps, as in the plain loop). `step()` steps any gradient left (a shorter last
