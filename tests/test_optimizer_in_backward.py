@@ -14,6 +14,8 @@ import fastckpt
 from fastckpt.memory import peak_bytes
 
 WIDTH = 32
+# the module (the package's attribute of the same name is the function): SLICE_BYTES and _Slices, patched in tests
+MODULE = importlib.import_module("fastckpt.optimizer_in_backward")
 
 
 def mlp(layers: int = 4, width: int = WIDTH) -> torch.nn.Sequential:
@@ -216,11 +218,10 @@ def test_a_large_parameter_is_stepped_in_slices_bit_for_bit(name, monkeypatch):
     make = SLICED[name]
     if isinstance(make, str):
         make = functools.partial(getattr(pytest.importorskip("bitsandbytes").optim, make), lr=1e-3)
-    module = importlib.import_module("fastckpt.optimizer_in_backward")
-    monkeypatch.setattr(module, "SLICE_BYTES", 4096 * 4)  # 128 x 128 weights: four slices of 4,096 elements
+    monkeypatch.setattr(MODULE, "SLICE_BYTES", 4096 * 4)  # 128 x 128 weights: four slices of 4,096 elements
     sliced = []
-    step = module._Slices.step
-    monkeypatch.setattr(module._Slices, "step", lambda self, *a: (sliced.append(self.p), step(self, *a))[1])
+    step = MODULE._Slices.step
+    monkeypatch.setattr(MODULE._Slices, "step", lambda self, *a: (sliced.append(self.p), step(self, *a))[1])
     data = batches(3, width=128)
     assert_same_parameters(in_backward_run(make, data, width=128), plain_run(make, data, width=128))
     assert len(sliced) == 3 * 4  # every weight, every iteration (the biases are stepped whole)
@@ -242,7 +243,6 @@ def test_a_large_parameter_is_stepped_in_slices_bit_for_bit(name, monkeypatch):
 
 def test_slicing_keeps_the_step_temporaries_to_a_slice(monkeypatch):
     """AdamW's `foreach` step of a parameter makes a temporary of its size; stepped in slices, of a slice's."""
-    module = importlib.import_module("fastckpt.optimizer_in_backward")
     width = 512
     model = mlp(2, width)
     x, y = torch.randn(2, width), torch.randn(2, 1)
@@ -255,7 +255,7 @@ def test_slicing_keeps_the_step_temporaries_to_a_slice(monkeypatch):
 
     iteration()  # the state exists
     whole = peak_bytes(iteration)
-    monkeypatch.setattr(module, "SLICE_BYTES", 64 << 10)
+    monkeypatch.setattr(MODULE, "SLICE_BYTES", 64 << 10)
     in_slices = peak_bytes(iteration)
     weight = width * width * 4
     assert whole >= 2 * weight  # its gradient and the step's temporary of its size
@@ -326,7 +326,7 @@ def test_the_loss_heads_gradient_is_handed_out_once_over_the_two_passes(tied, mo
     assert_same_parameters(models[1], models[0], rtol=1e-6)
     assert float(wrapped.grad_norm) > 1.0  # clipped
     if not tied:  # (a plain tied lookup's gradient is dense: as large as the weight, in the plain loop too)
-        monkeypatch.setattr(importlib.import_module("fastckpt.optimizer_in_backward"), "SLICE_BYTES", 4096 * 4)
+        monkeypatch.setattr(MODULE, "SLICE_BYTES", 4096 * 4)
         loss = models[1](data[0])  # the head's gradient of its weight exists from here on
         peak = peak_bytes(lambda: wrapped.backward(loss))
         assert peak < models[1].head.numel() * 4, peak  # less than one more gradient of the weight
