@@ -34,8 +34,9 @@ class NonFinite:
         return self
 
     def _hook(self, index: int) -> Callable:
-        def hook(grad: torch.Tensor) -> None:
-            if not finite(grad):
+        def hook(grad: torch.Tensor | None) -> None:
+            # None: a loss head that handed this gradient out in an earlier pass (optimizer_in_backward's norm pass)
+            if grad is not None and not finite(grad):
                 self.bad.add(index)
 
         return hook

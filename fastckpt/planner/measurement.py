@@ -552,10 +552,12 @@ def gradient_errors(
 
     def gradients(candidate: Candidate) -> list[torch.Tensor | None]:
         captured: dict[int, torch.Tensor] = {}
-        handles = [
-            p.register_hook(lambda g, i=i: captured.__setitem__(i, captured.get(i, 0) + g.detach().float()))
-            for i, p in enumerate(parameters)
-        ]
+
+        def add(index: int, grad: torch.Tensor | None) -> None:
+            if grad is not None:  # None: handed out in an earlier pass (checks.NonFinite says where)
+                captured[index] = captured.get(index, 0) + grad.detach().float()
+
+        handles = [p.register_hook(lambda g, i=i: add(i, g)) for i, p in enumerate(parameters)]
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(0x5EED)
