@@ -12,7 +12,7 @@ the sum of the chunks' gradients (the same value as untiled, summed in another o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -73,6 +73,68 @@ class TiledWrapper(CheckpointWrapper):
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}, dim={self.dim}, policy={str(self.policy) if self.policy else None!r}"
+
+
+class _RecomputedInTiles(torch.autograd.Function):
+    """`function` on `x` tile by tile along `dim`, keeping only `x` for backward: the backward recomputes one tile
+    at a time and hands back `x`'s gradient and the sum of the tiles' gradients of `parameters`."""
+
+    @staticmethod
+    def forward(ctx: Any, function: Callable, tile: int, dim: int, x: torch.Tensor, *parameters: torch.Tensor) -> Any:
+        ctx.function, ctx.tile, ctx.dim, ctx.parameters = function, tile, dim, parameters
+        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
+        ctx.save_for_backward(x)  # through the enclosing segment's policy: dropped by a recompute, or stored
+        return torch.cat([function(piece) for piece in x.split(tile, dim)], dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        (x,) = ctx.saved_tensors
+        wanted = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[4:], strict=True) if needed]
+        sums: list[torch.Tensor | None] = [None] * len(wanted)
+        grad_x = torch.empty_like(x) if ctx.needs_input_grad[3] else None
+        enabled, dtype = ctx.autocast
+        if grad_x is None and not wanted:
+            return (None,) * (4 + len(ctx.parameters))
+        length = x.shape[ctx.dim]
+        for start in range(0, length, ctx.tile):
+            size = min(ctx.tile, length - start)
+            piece = x.narrow(ctx.dim, start, size).detach().requires_grad_(grad_x is not None)
+            with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+                out = ctx.function(piece)
+            inputs = ([piece] if grad_x is not None else []) + wanted
+            grads = list(torch.autograd.grad(out, inputs, grad.narrow(ctx.dim, start, size), allow_unused=True))
+            del out  # this tile's graph, before the next tile's
+            if grad_x is not None:
+                grad_x.narrow(ctx.dim, start, size).copy_(grads.pop(0))
+            for i, g in enumerate(grads):
+                if g is not None:
+                    sums[i] = g if sums[i] is None else sums[i].add_(g)
+        given = iter(sums)
+        return (None, None, None, grad_x, *(next(given) if needed else None for needed in ctx.needs_input_grad[4:]))
+
+
+def recompute_in_tiles(
+    function: Callable[[torch.Tensor], torch.Tensor],
+    x: torch.Tensor,
+    tile: int,
+    *,
+    dim: int = -2,
+    parameters: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    """`function(x)` computed `tile` positions along `dim` at a time, keeping only `x` for backward, where each
+    tile is recomputed and differentiated alone: one tile's activations are alive at a time, in the forward and
+    in the backward. For position-wise functions (a transformer MLP along the tokens), inside a checkpointed
+    segment: unlike `tiled`, which checkpoints each slice itself, `x` is saved as the segment saves everything
+    (dropped by a recompute policy and remade by its recomputation, or stored through its codec).
+
+    `parameters`: the tensors requiring grad that `function` uses (a module's trained parameters); each gets the
+    sum of the tiles' gradients, once. Autocast is restored for the recomputation; random ops are not (for
+    functions without dropout). The function runs once more than untiled (its recomputation in backward).
+    """
+    if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
+        raise ValueError(f"fastckpt.tiling.recompute_in_tiles: `tile` must be an integer >= 1, got {tile!r}")
+    dim = dim % x.dim()
+    return _RecomputedInTiles.apply(function, tile, dim, x, *parameters)
 
 
 def _keep(t: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt.tiling import recompute_in_tiles
 from fastckpt.memory import peak_bytes
 from tests.helpers import output_and_grads, rel_l2
 from tests.models import AttentionHalf
@@ -180,3 +181,72 @@ def test_an_unsplit_input_that_carries_the_split_dimension_is_an_error():
     with pytest.raises(ValueError, match="only the first input is split"):
         fastckpt.tiled(AddBias(), 2, dim=0)(x, bias)
     torch.testing.assert_close(fastckpt.tiled(AddBias(), 2, dim=0)(x, bias[:1]), x + bias[:1])
+
+
+# ---- recompute_in_tiles: inside a segment, only the input kept
+
+
+class Tiles(torch.nn.Module):
+    """`module` through recompute_in_tiles (its trained parameters handed in)."""
+
+    def __init__(self, module: torch.nn.Module, tile: int) -> None:
+        super().__init__()
+        self.module, self.tile = module, tile
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        trained = [p for p in self.module.parameters() if p.requires_grad]
+        return recompute_in_tiles(self.module, x, self.tile, parameters=trained)
+
+
+@pytest.mark.parametrize("tile", [16, 20, 48, 100])  # dividing the length, not, the whole length, past it
+def test_recompute_in_tiles_gives_the_untiled_output_and_gradients(tile):
+    x = torch.randn(2, 48, 32)
+    y, grads = output_and_grads(mlp(), x)
+    y_tiled, grads_tiled = output_and_grads(Tiles(mlp(), tile), x)
+    torch.testing.assert_close(y_tiled, y, rtol=1e-6, atol=1e-6)
+    assert rel_l2(grads_tiled, grads) < 1e-6
+
+
+def test_recompute_in_tiles_hands_each_parameter_one_gradient():
+    module = mlp()
+    arrivals = []
+    for p in module.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: arrivals.append(p))
+    Tiles(module, 8)(torch.randn(2, 48, 32, requires_grad=True)).sum().backward()
+    assert len(arrivals) == len(list(module.parameters()))  # the tiles' sum, accumulated once
+
+
+def test_recompute_in_tiles_leaves_frozen_parameters_and_an_input_without_grad_alone():
+    module = mlp()
+    module[1].requires_grad_(False)
+    x = torch.randn(2, 48, 32)  # no grad wanted for it
+    Tiles(module, 16)(x).pow(2).sum().backward()
+    assert module[1].weight.grad is None and x.grad is None
+    assert module[3].weight.grad is not None
+
+
+def test_recompute_in_tiles_restores_autocast_for_the_recomputation():
+    x = torch.randn(2, 64, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, grads = output_and_grads(mlp(), x)
+        y, grads_tiled = output_and_grads(Tiles(mlp(), 16), x)
+    assert y.dtype == torch.bfloat16
+    assert rel_l2(grads_tiled, grads) < 1e-2  # bf16 tiles against bf16 whole (fp32 recomputation: ~1e-1 off)
+
+
+def test_recompute_in_tiles_inside_a_recomputed_segment_holds_one_tile():
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 64))
+    x = torch.randn(1, 1024, 64, requires_grad=True)
+
+    def step(inner):
+        return lambda: fastckpt.checkpoint(inner, x, policy="recompute+int8").pow(2).mean().backward()
+
+    whole = peak_bytes(step(module))
+    tiles = peak_bytes(step(Tiles(module, 128)))
+    assert tiles < 0.5 * whole
+
+
+def test_recompute_in_tiles_names_a_bad_tile():
+    with pytest.raises(ValueError, match="`tile` must be an integer >= 1"):
+        recompute_in_tiles(mlp(), torch.randn(2, 8, 32), 0)

@@ -29,6 +29,7 @@ from fastckpt.integrations.hf.adapters import _AdapterInputCasts
 from fastckpt.integrations.hf.loss_head import _LossHead
 from fastckpt.integrations.hf.planning import _FirstBatchPlan
 from fastckpt.integrations.hf.pretrained import _pretrained_model
+from fastckpt.integrations.hf.tiled_mlp import _TiledMLP, default_tile
 from fastckpt.integrations.hf.trainer import _StepInBackward
 from fastckpt.policies import Policy
 
@@ -139,6 +140,7 @@ def enable(
     budget: int | str | None = None,
     plan_options: dict[str, Any] | None = None,
     optimizer_in_backward: bool = False,
+    tile_mlp: bool | int | None = None,
     **checkpoint_kwargs: Any,
 ) -> Any:
     """Turn on gradient checkpointing of a transformers model through fastckpt; returns `model`.
@@ -180,6 +182,13 @@ def enable(
     (fastckpt.optimizer_in_backward, found at the first training batch): Trainer's `max_grad_norm` clips exactly
     (a norm pass first: one more backward), `gradient_accumulation_steps` and its scheduler are honoured, and
     the logged `grad_norm` is the gradients'. fp16 (GradScaler), DeepSpeed and several ranks are refused.
+
+    `tile_mlp`: the decoder layers' MLPs (Llama's, Qwen's, Gemma's, ... position-wise `*MLP` modules) computed a
+    tile of tokens at a time on inputs longer than the tile, keeping only their input and recomputing each tile
+    in backward (tiled_mlp.py): a long sequence's recomputed layer then holds one tile's MLP activations, not the
+    whole length's, for one more forward of the MLP. None (default): on under a recompute policy, with tiles of
+    `max(1024, hidden_size)` tokens; True: on under any policy or budget; an int: on, with tiles of that many
+    tokens; False: off.
     """
     pretrained = _pretrained_model(model)
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
@@ -196,6 +205,11 @@ def enable(
     if not isinstance(padded_attention, bool):
         raise TypeError(
             f"fastckpt.integrations.hf.enable: `padded_attention` must be True or False, got {padded_attention!r}"
+        )
+    if tile_mlp is not None and (not isinstance(tile_mlp, (bool, int)) or (type(tile_mlp) is int and tile_mlp < 1)):
+        raise ValueError(
+            "fastckpt.integrations.hf.enable: `tile_mlp` must be None (on under a recompute policy), True, False or "
+            f"a number of tokens per tile >= 1, got {tile_mlp!r}"
         )
     if budget is not None:
         if Policy.parse(policy) != Policy.parse("recompute"):
@@ -229,6 +243,11 @@ def enable(
         _LossHead.remove(pretrained)
         trl_head.stop(pretrained)
     _AdapterInputCasts.install(pretrained)
+    _TiledMLP.remove(pretrained)
+    if tile_mlp is None:
+        tile_mlp = budget is None and settings.policy.recompute
+    if tile_mlp:
+        _TiledMLP.install(pretrained, default_tile(pretrained.config) if tile_mlp is True else tile_mlp)
     if optimizer_in_backward:
         _StepInBackward.install(pretrained, model)
     else:
@@ -245,6 +264,7 @@ def disable(model: Any) -> Any:
     trl_head.stop(pretrained)
     attention.remove(pretrained)
     _AdapterInputCasts.remove(pretrained)
+    _TiledMLP.remove(pretrained)
     _StepInBackward.remove(pretrained)
     pretrained.__dict__.pop("activation_checkpointing_enable", None)
     pretrained.__dict__.pop("_fastckpt_settings", None)
