@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.tiling import recompute_in_tiles
 from fastckpt.memory import peak_bytes
+from fastckpt.tiling import recompute_in_tiles
 from tests.helpers import output_and_grads, rel_l2
 from tests.models import AttentionHalf
 
