@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from fastckpt.integrations.hf.tiled_mlp import default_tile
 from fastckpt.loss import default_chunk_size
 from fastckpt.memory import peak_bytes
 from fastckpt.planner.budgets import format_bytes, total_bytes
@@ -140,6 +141,8 @@ class Report:
     layers: tuple[int, int]
     verified: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # method -> (tokens,
     # measured, predicted) at the deeper measured depth
+    unverified: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # method -> (tokens,
+    # predicted, the memory free here): the check would not fit this machine
 
     def rows(self) -> list[dict[str, Any]]:
         rows = []
@@ -189,6 +192,9 @@ class Report:
             lines.append(f"verified: {name} at {self.layers[1]} layers x {tokens:,} tokens: step peak measured "
                          f"{format_bytes(measured)}, predicted {format_bytes(predicted)} "
                          f"({(predicted - measured) / measured:+.1%})")  # fmt: skip
+        for name, (tokens, predicted, free) in self.unverified.items():
+            lines.append(f"not verified: {name} at {self.layers[1]} layers x {tokens:,} tokens: predicted step peak "
+                         f"{format_bytes(predicted)}, more than the {format_bytes(free)} free here")  # fmt: skip
         lines += _differences(self.measured_on, self.compute)
         return "\n".join(lines)
 
@@ -346,9 +352,9 @@ def what_fits(
             fine-tune (fp32 weights, AdamW stepped after the backward).
         dtype: the frozen weights' dtype under LoRA, "bf16" or "fp32".
         compute: "bf16" (autocast) or "fp32"; default bf16 where it is native (a GPU, a CPU with AMX), else fp32.
-        lengths, layers: the two lengths and the two depths measured; by default the lengths are long enough
-            that the loss head's chunk (`fastckpt.loss.default_chunk_size`) stops growing with them: from two
-            shorter lengths the line would carry the growth of a whole-length chunk.
+        lengths, layers: the two lengths and the two depths measured; by default (`default_lengths`) the lengths
+            are long enough that the loss head's chunk and the MLP's tile stop growing with them: from two
+            shorter lengths the line would carry the growth of a whole-length chunk or tile.
         verify: also run the step at this many tokens (at the deeper depth measured) and report the prediction's
             error there.
         log: called with a line before each measurement (the command line prints them: a real shape takes minutes).
@@ -357,7 +363,7 @@ def what_fits(
     if not memories:
         raise ValueError(f"{_NAME}: `memory` names no size")
     config = load_config(model)
-    lengths = lengths or default_lengths(config.vocab_size)
+    lengths = lengths or default_lengths(config)
     _check(lora, dtype, compute, lengths, layers, batch_at, verify)
     dev = torch.device(device)
     compute = compute or ("bf16" if dev.type == "cuda" or _has_amx() else "fp32")
@@ -380,19 +386,39 @@ def what_fits(
     on = f"{dev.type}" + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
     report = Report(str(label), description, memories, methods, batch_at, on, compute, tuple(lengths), tuple(layers))
     if verify:
+        free = _free_memory(dev)
         for method in methods:
+            predicted = int(Method(method.name, method.measured, layers[1], 0, 0).peak().at(verify))
+            if predicted > free:  # it would be killed for memory (or swap for hours): said, not run
+                report.unverified[method.name] = (verify, predicted, free)
+                continue
             log(f"{_NAME}: {method.name} at {layers[1]} layers, {verify:,} tokens (the check)")
             (measured,) = measure_steps(
                 config, method.name, policy, lora, weights_dtype, layers[1], [verify], dev, compute == "bf16"
             ).values()
-            shallow = Method(method.name, method.measured, layers[1], 0, 0)
-            report.verified[method.name] = (verify, measured, int(shallow.peak().at(verify)))
+            report.verified[method.name] = (verify, measured, predicted)
     return report
 
 
-def default_lengths(vocab_size: int) -> tuple[int, int]:
-    """Two lengths past the loss head's chunk (four chunks and eight, at least 512 tokens, multiples of 256)."""
-    first = max(512, -(-4 * default_chunk_size(vocab_size) // 256) * 256)
+def _free_memory(device: torch.device) -> int:
+    """Bytes a step may still take here: CUDA's free memory, or the host's available memory less a fifth (what a
+    process's own copies and the allocator's slack take beside the step's tensors)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return 2**62  # unknown: try it
+    return int(0.8 * available)
+
+
+def default_lengths(config: Any) -> tuple[int, int]:
+    """Two lengths, the second twice the first, where neither the loss head's chunk nor the MLP's tile (under
+    `tile_mlp`) grows any more with the length: at least four chunks and one tile, and 512 tokens, in multiples
+    of 256. Below them a line through two lengths would carry the growth of a whole-length chunk or tile on."""
+    first = max(512, 4 * default_chunk_size(config.vocab_size), default_tile(config))
+    first = -(-first // 256) * 256
     return first, 2 * first
 
 

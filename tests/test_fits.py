@@ -50,10 +50,14 @@ def test_what_is_live_before_the_step_is_counted_at_the_models_depth():
     assert trained == parameters * 4 and resident == parameters * 4 + parameters * fits.ADAM_STATE_BYTES
 
 
-def test_a_memory_too_small_for_any_length_is_an_answer():
-    report = fits.what_fits("tiny-llama", lora=None, memory="1MiB", **SMALL)
+def test_a_memory_too_small_for_any_length_is_an_answer(monkeypatch):
+    monkeypatch.setattr(fits, "_free_memory", lambda device: 2**20)  # and a check this machine could not hold
+    report = fits.what_fits("tiny-llama", lora=None, memory="1MiB", verify=8192, **SMALL)
     assert all(method.longest(2**20) == 0 for method in report.methods)
-    assert report.table().count("none fits") == 2
+    text = report.table()
+    assert text.count("none fits") == 2
+    assert not report.verified and set(report.unverified) == {m.name for m in report.methods}
+    assert text.count("not verified: ") == 2 and "more than the 1.00 MiB free here" in text
 
 
 def test_a_config_json_is_read(tmp_path):

@@ -15,6 +15,8 @@ One concept per file; each imports only files listed after it:
 - families.py: what each model family's forward does to its logits before the loss (soft caps, scales);
 - attention.py: `enable(padded_attention=True)`, SDPA on padded or packed rows without the [tokens x tokens]
   mask: the mask form (`CausalSegmentsMask`) and the calls per segment;
+- tiled_mlp.py: `enable(tile_mlp=...)`, the decoder layers' MLPs computed in tiles of tokens, each recomputed
+  alone in backward (`_TiledMLP`, through fastckpt.tiling.recompute_in_tiles);
 - adapters.py: PEFT LoRA's input casts that autocast undoes, switched off (`_AdapterInputCasts`);
 - pretrained.py: the transformers PreTrainedModel behind the model passed (a PEFT model unwrapped).
 """
