@@ -350,8 +350,9 @@ def what_fits(
     Args:
         lora: LoRA rank on the attention and MLP projections (the frozen weights in `dtype`); None: a full
             fine-tune (fp32 weights, AdamW stepped after the backward).
-        dtype: the frozen weights' dtype under LoRA, "bf16" or "fp32".
-        compute: "bf16" (autocast) or "fp32"; default bf16 where it is native (a GPU, a CPU with AMX), else fp32.
+        dtype: the frozen weights' dtype under LoRA, "bf16" or "fp32" (what is counted live before the step).
+        compute: "bf16" (autocast) or "fp32" (the steps measured on an fp32 model); default bf16 where it is
+            native (a GPU, a CPU with AMX), else fp32.
         lengths, layers: the two lengths and the two depths measured; by default (`default_lengths`) the lengths
             are long enough that the loss head's chunk and the MLP's tile stop growing with them: from two
             shorter lengths the line would carry the growth of a whole-length chunk or tile.
@@ -369,6 +370,8 @@ def what_fits(
     compute = compute or ("bf16" if dev.type == "cuda" or _has_amx() else "fp32")
     weights_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     resident, trained_bytes = live_before_step(config, lora, weights_dtype)
+    # fp32 compute measures an fp32 model (bf16 frozen weights without autocast would compute in bf16)
+    measured_dtype = torch.float32 if compute == "fp32" else weights_dtype
     # a full fine-tune's AdamW (foreach) step: every gradient and as many bytes of temporaries
     optimizer_step = 0 if lora else 2 * trained_bytes
     methods = []
@@ -376,7 +379,7 @@ def what_fits(
         measured = {}
         for depth in layers:
             log(f"{_NAME}: {name} at {depth} layer(s), {lengths[0]:,} and {lengths[1]:,} tokens ({compute})")
-            peaks = measure_steps(config, name, policy, lora, weights_dtype, depth, lengths, dev, compute == "bf16")
+            peaks = measure_steps(config, name, policy, lora, measured_dtype, depth, lengths, dev, compute == "bf16")
             measured.update({(depth, tokens): peak for tokens, peak in peaks.items()})
         methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step))
     label = model if isinstance(model, str) else config.model_type
@@ -394,7 +397,7 @@ def what_fits(
                 continue
             log(f"{_NAME}: {method.name} at {layers[1]} layers, {verify:,} tokens (the check)")
             (measured,) = measure_steps(
-                config, method.name, policy, lora, weights_dtype, layers[1], [verify], dev, compute == "bf16"
+                config, method.name, policy, lora, measured_dtype, layers[1], [verify], dev, compute == "bf16"
             ).values()
             report.verified[method.name] = (verify, measured, predicted)
     return report
