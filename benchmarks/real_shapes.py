@@ -140,8 +140,8 @@ def rows(padded: bool = True) -> list[Row]:
     ]
 
 
-def build(shape: Shape, lora: bool, tokens: int) -> torch.nn.Module:
-    """The model (seeded) at `shape`: LoRA with bf16 frozen weights and fp32 adapters, or fp32 for a full
+def build(shape: Shape, lora: bool, tokens: int, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
+    """The model (seeded) at `shape`: LoRA with frozen weights in `dtype` and fp32 adapters, or fp32 for a full
     fine-tune."""
     import peft
     import transformers
@@ -155,7 +155,7 @@ def build(shape: Shape, lora: bool, tokens: int) -> torch.nn.Module:
     config._attn_implementation = shape.attention
     torch.manual_seed(0)
     model = getattr(transformers, CLASSES[shape.family])._from_config(
-        config, dtype=torch.bfloat16 if lora else torch.float32
+        config, dtype=dtype if lora else torch.float32
     )
     if lora:
         adapters = peft.LoraConfig(r=16, lora_alpha=32, target_modules=LORA_TARGETS, init_lora_weights=False)
@@ -204,8 +204,11 @@ class Traced:
     at: str
 
 
-def traced_step(model: torch.nn.Module, batch: dict, loss: Callable, device: torch.device) -> Traced:
-    """One bf16 step under MemoryTrace, marks from hooks; the blocks live at its peak by category."""
+def traced_step(
+    model: torch.nn.Module, batch: dict, loss: Callable, device: torch.device, autocast: bool = True
+) -> Traced:
+    """One step (bf16 autocast unless `autocast=False`) under MemoryTrace, marks from hooks; the blocks live at
+    its peak by category."""
     base = causal_lm(model).model
     state = {"backward": False}
     trace = MemoryTrace(device)
@@ -229,7 +232,7 @@ def traced_step(model: torch.nn.Module, batch: dict, loss: Callable, device: tor
     try:
         with quiet_profiler_logs(), trace:
             trace.mark("start")
-            with torch.autocast(device.type, dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
                 value = loss(model, batch)
             trace.mark("backward")
             state["backward"] = True

@@ -389,7 +389,7 @@ def what_fits(
     on = f"{dev.type}" + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
     report = Report(str(label), description, memories, methods, batch_at, on, compute, tuple(lengths), tuple(layers))
     if verify:
-        free = _free_memory(dev)
+        free = free_memory(dev)
         for method in methods:
             predicted = int(Method(method.name, method.measured, layers[1], 0, 0).peak().at(verify))
             if predicted > free:  # it would be killed for memory (or swap for hours): said, not run
@@ -403,7 +403,7 @@ def what_fits(
     return report
 
 
-def _free_memory(device: torch.device) -> int:
+def free_memory(device: torch.device) -> int:
     """Bytes a step may still take here: CUDA's free memory, or the host's available memory less a fifth (what a
     process's own copies and the allocator's slack take beside the step's tensors)."""
     if device.type == "cuda":

@@ -51,7 +51,7 @@ def test_what_is_live_before_the_step_is_counted_at_the_models_depth():
 
 
 def test_a_memory_too_small_for_any_length_is_an_answer(monkeypatch):
-    monkeypatch.setattr(fits, "_free_memory", lambda device: 2**20)  # and a check this machine could not hold
+    monkeypatch.setattr(fits, "free_memory", lambda device: 2**20)  # and a check this machine could not hold
     report = fits.what_fits("tiny-llama", lora=None, memory="1MiB", verify=8192, **SMALL)
     assert all(method.longest(2**20) == 0 for method in report.methods)
     text = report.table()

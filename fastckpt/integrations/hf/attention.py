@@ -14,9 +14,9 @@ on packed rows only the sequences' own squares are computed.
 
 The mask itself is not kept either (`mask`, registered as the mask function): where the model asks for such
 a mask, it gets a `CausalSegmentsMask`, the segments in the mask's shape (padding is read from the 2D
-attention mask, so the full mask is never built; packed sequences from the mask HF builds, dropped once
-read, as any other mask HF builds that is one of these forms, e.g. a sliding window no shorter than the
-rows). HF's boolean mask is [batch, tokens, tokens] bytes held from the forward to the end of the backward
+attention mask and packed sequences from HF's mask function a block of queries at a time, so the full mask is
+never built; any other mask HF builds that is one of these forms, e.g. a sliding window no shorter than the
+rows, is dropped once read). HF's boolean mask is [batch, tokens, tokens] bytes held from the forward to the end of the backward
 by every checkpointed layer (16 MiB for one row of 4,096 tokens). Anything but this attention that uses it
 gets the full mask computed for that use, so no code sees other values than HF's.
 
@@ -166,9 +166,33 @@ def mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
     real = _real_blocks(padding, kwargs.get("batch_size"), tokens, kwargs.get("device")) if plain and causal else None
     if real is not None:
         return CausalSegmentsMask.of_rows(_one_segment_each(real, tokens), device=padding.device)
+    if plain and not causal and padding is None:  # packed sequences (a mask function from the position ids)
+        form = _packed_from_mask_function(kwargs, tokens)
+        if form is not None:
+            return CausalSegmentsMask.of_rows(*form, device=kwargs.get("device"))
     built = sdpa_mask(*args, **kwargs)
     form = _form_of(built, padding, kwargs.get("local_size"), tokens) if plain else None
     return built if form is None else CausalSegmentsMask.of_rows(*form, device=built.device)
+
+
+def _packed_from_mask_function(kwargs: dict[str, Any], tokens: int) -> tuple[tuple, int | None] | None:
+    """(rows, window) of packed sequences read from the mask sdpa_mask would build, a block of queries at a time
+    (its `q_offset`, `q_length`): a whole [tokens x tokens] mask with the temporaries of building it is some 3
+    bytes per element (about 3 GiB for one row of 32K tokens), a block a bounded few MiB."""
+    from transformers.masking_utils import sdpa_mask
+
+    def rows(start: int, stop: int) -> torch.Tensor | None:
+        block = sdpa_mask(**{**kwargs, "q_offset": start, "q_length": stop - start, "allow_is_causal_skip": False})
+        return block[:, 0] if isinstance(block, torch.Tensor) and block.dim() == 4 and block.shape[1] == 1 else None
+
+    batch, device, window = kwargs.get("batch_size"), kwargs.get("device"), kwargs.get("local_size")
+    if type(batch) is not int:
+        return None
+    found = _packed_in_blocks(rows, batch, tokens, device)
+    if found is None and type(window) is int and 0 < window < tokens:
+        found = _packed_in_blocks(rows, batch, tokens, device, window)
+        return None if found is None else (found, window)
+    return None if found is None else (found, None)
 
 
 def _one_segment_each(blocks: list[tuple[int, int]] | tuple, tokens: int) -> tuple[tuple[Segment, ...], ...]:
@@ -257,30 +281,42 @@ def packed_sequences(
     is given; None otherwise."""
     if not _square_bool(mask, tokens):
         return None
+    return _packed_in_blocks(lambda start, stop: mask[:, 0, start:stop], mask.shape[0], tokens, mask.device, window)
+
+
+def _packed_in_blocks(
+    rows: Any, batch: int, tokens: int, device: Any, window: int | None = None
+) -> tuple[tuple[Segment, ...], ...] | None:
+    """packed_sequences' answer from the mask's rows read a block of queries at a time (`rows(start, stop)`: a
+    boolean [batch, stop - start, tokens] tensor, or None), in order: the whole mask is never held."""
     if window is not None and window < 2:
         return None  # a query seeing only itself would not tell a sequence's start
-    mask_rows = mask[:, 0]
-    if not bool(mask_rows.diagonal(dim1=-2, dim2=-1).all()):
-        return None
-    positions = torch.arange(tokens, device=mask.device)
-    # A sequence starts where a query sees no earlier key. The first key each query sees, read through a uint8
-    # view: a copy or a sum of the [tokens x tokens] mask would allocate it again, a sum 8 bytes per element.
-    first = mask_rows.view(torch.uint8).argmax(-1) == positions
-    starts = torch.cummax(torch.where(first, positions, 0), dim=-1).values  # each query's sequence's start
+    positions = torch.arange(tokens, device=device)
     keys = positions[None, None, :]
-
-    def expected(queries: torch.Tensor) -> torch.Tensor:
+    running = torch.zeros(batch, 1, dtype=torch.long, device=device)  # the sequence running into the block
+    firsts = []
+    step = max(1, _CHECK_ELEMENTS // (tokens * batch))
+    for start in range(0, tokens, step):
+        block, queries = rows(start, min(start + step, tokens)), positions[start : start + step]
+        if not isinstance(block, torch.Tensor) or tuple(block.shape) != (batch, len(queries), tokens):
+            return None
+        if not bool(block[:, torch.arange(len(queries), device=device), queries].all()):
+            return None  # a query that does not see itself
+        # A sequence starts where a query sees no earlier key. The first key each query sees, read through a
+        # uint8 view: a copy or a sum of the block would allocate it again, a sum 8 bytes per element.
+        first = block.view(torch.uint8).argmax(-1) == queries
+        starts = torch.maximum(torch.cummax(torch.where(first, queries, 0), dim=-1).values, running)
+        running = starts[:, -1:]
         q = queries[None, :, None]
-        sees = (keys >= starts[:, queries, None]) & (keys <= q)
-        return sees if window is None else sees & (keys > q - window)
-
-    if not _equal_by_blocks(mask_rows, expected, tokens):
-        return None
-    rows = []
-    for row in first.tolist():
+        sees = (keys >= starts[:, :, None]) & (keys <= q)
+        if not torch.equal(block, sees if window is None else sees & (keys > q - window)):
+            return None
+        firsts.append(first)
+    segments = []
+    for row in torch.cat(firsts, dim=1).tolist():
         begins = [i for i, is_first in enumerate(row) if is_first]
-        rows.append(tuple((b, b, e, e) for b, e in zip(begins, begins[1:] + [tokens], strict=True)))
-    return tuple(rows)
+        segments.append(tuple((b, b, e, e) for b, e in zip(begins, begins[1:] + [tokens], strict=True)))
+    return tuple(segments)
 
 
 def windowed_rows(mask: torch.Tensor, padding: Any, window: int, tokens: int) -> list[tuple[int, int]] | None:
