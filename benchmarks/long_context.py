@@ -76,7 +76,8 @@ def run(shape_name: str, lengths: list[int], layers: int, batch: str, compute: s
 
     print(f"\n== {shape_name} at {layers} layers, LoRA r=16, one row of {batch} tokens, {compute} compute; "
           f"HF GC measured {short[SHORT[0]] / 2**20:,.0f} / {short[SHORT[1]] / 2**20:,.0f} MiB at "
-          f"{SHORT[0]:,} / {SHORT[1]:,} tokens ({slope * 1024 / 2**20:,.1f} MiB per 1K tokens)", flush=True)  # fmt: skip
+          f"{SHORT[0]:,} / {SHORT[1]:,} tokens ({slope * 1024 / 2**20:,.1f} MiB per 1K tokens)",
+          flush=True)  # fmt: skip
     table = []
     for tokens in lengths:
         results = {}
