@@ -17,8 +17,8 @@ a mask, it gets a `CausalSegmentsMask`, the segments in the mask's shape (paddin
 attention mask and packed sequences from HF's mask function a block of queries at a time, so the full mask is
 never built; any other mask HF builds that is one of these forms, e.g. a sliding window no shorter than the
 rows, is dropped once read). HF's boolean mask is [batch, tokens, tokens] bytes held from the forward to the
-end of the backward by every checkpointed layer (16 MiB for one row of 4,096 tokens). Anything but this attention that uses it
-gets the full mask computed for that use, so no code sees other values than HF's.
+end of the backward by every checkpointed layer (16 MiB for one row of 4,096 tokens). Anything but this
+attention that uses it gets the full mask computed for that use, so no code sees other values than HF's.
 
 Installed by `fastckpt.integrations.hf.enable(model, padded_attention=True)` as an attention implementation
 registered with transformers (`AttentionInterface`, `AttentionMaskInterface`), named `fastckpt_sdpa`, on a
