@@ -1,4 +1,4 @@
-"""`python -m benchmarks [checkpoint|llm|real|iteration|trl|planner|compile|ops|train|offload|loss]
+"""`python -m benchmarks [checkpoint|llm|real|long|iteration|trl|planner|compile|ops|train|offload|loss]
 [--device cpu|cuda] [--out DIR] [--quick] [--all]`.
 
 checkpoint (default): fastckpt's policies next to plain training, torch's checkpoint (non-reentrant,
@@ -20,6 +20,10 @@ checkpoint (default): fastckpt's policies next to plain training, torch's checkp
   --compare DIR prints every row's measured columns as new / old against an earlier results folder.
 llm: the llm section alone (as `python -m benchmarks.llm`).
 real: the real-shapes section alone (as `python -m benchmarks.real_shapes`); --all: every real-shape workload.
+long: one row of 8K and 16K packed tokens through a LoRA fine-tune at Llama-3.2-1B's shape, HF GC (predicted
+  where it outgrows the memory free) against fastckpt with the MLP untiled and tiled, and where the peak is (as
+  `python -m benchmarks.long_context`, which also takes --shape, --lengths, --layers, --batch; not in the
+  default run: on a 2-core CPU without AMX some 40 minutes at 2 layers in fp32).
 iteration: the whole iteration of a full fine-tune (forward, backward, AdamW's step) at Llama-3.2-1B's and
   Qwen2.5-0.5B's shapes: HF GC against fastckpt with AdamW stepped after and in the backward (as
   `python -m benchmarks.iteration`, which also takes --full-depth; not in the default run).
@@ -46,6 +50,7 @@ MODES = {
     "checkpoint": "benchmarks.checkpoint",
     "llm": "benchmarks.llm",
     "real": "benchmarks.real_shapes",
+    "long": "benchmarks.long_context",
     "iteration": "benchmarks.iteration",
     "trl": "benchmarks.trl",
     "planner": "benchmarks.planner",
@@ -142,6 +147,8 @@ def _run(args: argparse.Namespace) -> list[dict]:
         return module.main(device=args.device, out=args.out, quick=args.quick, smoke=args.smoke)
     if args.mode == "real":
         return module.main(device=args.device, out=args.out, every=args.all, smoke=args.smoke)
+    if args.mode == "long":
+        return module.main(["--device", args.device, *(["--out", args.out] if args.out else [])])
     if args.mode != "checkpoint":
         return module.main(device=args.device, out=args.out, quick=args.quick)
     selected = args.workloads or list(DEFAULT_SECTIONS)

@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.harness import quiet_profiler_logs
+from benchmarks.harness import quiet_profiler_logs, write_csv
 from benchmarks.ops import _reuse_freed_host_memory
 from benchmarks.real_shapes import CATEGORIES, SHAPES, Workload, batch_of, build, traced_step
 from benchmarks.report import cpu_flags
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", default="packed", choices=["packed", "padded"])
     parser.add_argument("--compute", default=None, choices=["bf16", "fp32"], help="default: bf16 where native")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None, help="a folder for long_context.csv")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     flags = cpu_flags()
@@ -130,7 +131,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("(CPU: glibc malloc set to reuse freed memory)")
     print(f"host CPU flags: {' '.join(flags) or 'none of the matrix flags'}; torch {torch.__version__}")
     lengths = [int(n) for n in args.lengths.split(",")]
-    return run(args.shape, lengths, layers, args.batch, compute, device)
+    table = run(args.shape, lengths, layers, args.batch, compute, device)
+    if args.out:
+        write_csv(table, args.out, "long_context.csv")
+    return table
 
 
 if __name__ == "__main__":
