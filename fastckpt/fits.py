@@ -28,12 +28,13 @@ measures in fp32 there, whose activations are twice bf16's (the report says whic
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,7 @@ from fastckpt.integrations.hf.tiled_mlp import default_tile
 from fastckpt.loss import default_chunk_size
 from fastckpt.memory import peak_bytes
 from fastckpt.planner.budgets import format_bytes, total_bytes
+from fastckpt.policies import Policy
 
 _NAME = "fastckpt.fits"
 HF_GC = "HF GC"
@@ -92,6 +94,18 @@ class Line:
         return max(0, math.floor((total - self.base) / self.per_token))
 
 
+def _bilinear(measured: dict[tuple[int, int], int], depth: int) -> Line:
+    """Bytes at (layers, tokens), measured at two depths and two lengths, as a line in the tokens at `depth`."""
+    (l1, l2), (n1, n2) = sorted({k[0] for k in measured}), sorted({k[1] for k in measured})
+
+    def at_depth(n: int) -> float:
+        one, two = measured[(l1, n)], measured[(l2, n)]
+        return one + (two - one) / (l2 - l1) * (depth - l1)
+
+    slope = (at_depth(n2) - at_depth(n1)) / (n2 - n1)
+    return Line(at_depth(n1) - slope * n1, slope)
+
+
 @dataclass
 class Method:
     """One way to train the model: its measured step peaks and what they predict at the model's depth."""
@@ -101,17 +115,20 @@ class Method:
     depth: int  # the model's layers
     resident: int  # bytes live before the step at the model's depth (weights, optimizer state)
     optimizer_step: int  # bytes the optimizer's step holds at its peak (gradients and temporaries), 0 for LoRA
+    host: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # offloaded bytes in host memory
+
+    @property
+    def lengths(self) -> tuple[int, int]:
+        first, second = sorted({k[1] for k in self.measured})
+        return first, second
 
     def peak(self) -> Line:
         """The step's peak above what is live before it, at the model's depth, as a line in the tokens."""
-        (l1, l2), (n1, n2) = sorted({k[0] for k in self.measured}), sorted({k[1] for k in self.measured})
+        return _bilinear(self.measured, self.depth)
 
-        def at_depth(n: int) -> float:
-            one, two = self.measured[(l1, n)], self.measured[(l2, n)]
-            return one + (two - one) / (l2 - l1) * (self.depth - l1)
-
-        slope = (at_depth(n2) - at_depth(n1)) / (n2 - n1)
-        return Line(at_depth(n1) - slope * n1, slope)
+    def host_line(self) -> Line | None:
+        """The host memory the offloaded tensors take (an offload policy), as a line in the tokens; else None."""
+        return _bilinear(self.host, self.depth) if any(self.host.values()) else None
 
     def longest(self, memory: int) -> int | None:
         """The most tokens whose device total fits `memory`: what is live before the step plus its peak, and plus
@@ -137,7 +154,6 @@ class Report:
     batch_at: int | None
     measured_on: str
     compute: str
-    lengths: tuple[int, int]
     layers: tuple[int, int]
     verified: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # method -> (tokens,
     # measured, predicted) at the deeper measured depth
@@ -160,10 +176,11 @@ class Report:
 
     def table(self) -> str:
         """The report as text: the model, what was measured where, one line per method, their ratio."""
-        (l1, l2), (n1, n2) = self.layers, self.lengths
+        l1, l2 = self.layers
+        measured = "; ".join(f"{m.name} at {m.lengths[0]:,} and {m.lengths[1]:,} tokens" for m in self.methods)
         lines = [f"{self.name}: {self.description}",
-                 f"measured on {self.measured_on} in {self.compute} at {l1} and {l2} layers x {n1:,} and {n2:,} "
-                 f"tokens, carried to {self.methods[0].depth} layers"]  # fmt: skip
+                 f"measured on {self.measured_on} in {self.compute} at {l1} and {l2} layers ({measured}), carried "
+                 f"to {self.methods[0].depth} layers"]  # fmt: skip
         header = f"{'method':<34}{'live before':>13}{'per 1K tok':>12}"
         for memory in self.memories:
             header += f"{'longest in ' + format_bytes(memory):>24}"
@@ -182,6 +199,12 @@ class Report:
                 if self.batch_at:
                     line += f"{_tokens(method.largest_batch(memory, self.batch_at), 'rows'):>28}"
             lines.append(line)
+        for method in self.methods:
+            host = method.host_line()
+            if host is not None:
+                at = ", ".join(f"{format_bytes(int(host.at(n)))} at {n:,} tokens" for n in longest[method.name] if n)
+                lines.append(f"{method.name} offloads to host memory {format_bytes(int(host.per_token * 1024))} per "
+                             f"1K tokens: {at or 'nothing fits'} (host memory, not the device's)")  # fmt: skip
         if len(self.methods) == 2 and self.methods[0].name == HF_GC:
             pairs = zip(self.memories, longest[self.methods[1].name], longest[HF_GC], strict=True)
             ratios = [f"{ours / theirs:.1f}x in {format_bytes(memory)}" for memory, ours, theirs in pairs
@@ -316,16 +339,41 @@ def _prepare(method: str, model: Any, policy: str) -> None:
 
 
 def measure_steps(config: Any, method: str, policy: str, lora: int | None, dtype: torch.dtype, layers: int,
-                  lengths: Sequence[int], device: torch.device, autocast: bool) -> dict[int, int]:  # fmt: skip
-    """The step's peak above what was live before it, per length: `method` on the model at `layers`, one row."""
+                  lengths: Sequence[int], device: torch.device,
+                  autocast: bool) -> dict[int, tuple[int, int]]:  # fmt: skip
+    """Per length, the step's peak above what was live before it and the host bytes its offloaded tensors took:
+    `method` on the model at `layers`, one row."""
     model = build(at_depth(config, layers), lora, dtype, device)
     _prepare(method, model, policy)
     peaks = {}
     for tokens in lengths:
         step = _step(model, tokens, config.vocab_size, device, autocast)
         step()  # warm-up: what is allocated once (caches, lazily built buffers) is not the step's
-        peaks[tokens] = peak_bytes(step, device)
+        with _offloaded_off_the_device(device) as arena:
+            peaks[tokens] = (peak_bytes(step, device), arena.allocated_bytes)
     return peaks
+
+
+@contextlib.contextmanager
+def _offloaded_off_the_device(device: torch.device) -> Iterator[Any]:
+    """The offload engine's host buffers for the block, counted apart (`allocated_bytes`). On a CPU the engine
+    copies the step's tensors as it would a GPU's, into buffers from numpy, outside torch's allocator and so
+    outside the measured peak: on a GPU they are host memory, not the device's."""
+    import numpy
+
+    from fastckpt.storage import offload
+
+    engine, on_cpu = offload.ENGINE, device.type == "cpu"
+    if on_cpu:
+        arena = offload.HostArena(allocate=lambda nbytes: torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8)))
+    else:
+        arena = offload.HostArena()
+    saved = engine.arena, engine.copies_cpu_tensors
+    engine.arena, engine.copies_cpu_tensors = arena, on_cpu
+    try:
+        yield arena
+    finally:
+        engine.arena, engine.copies_cpu_tensors = saved
 
 
 def what_fits(
@@ -337,7 +385,7 @@ def what_fits(
     dtype: str = "bf16",
     compute: str | None = None,
     lengths: tuple[int, int] | None = None,
-    layers: tuple[int, int] = (1, 2),
+    layers: tuple[int, int] | None = None,
     batch_at: int | None = None,
     verify: int | None = None,
     device: str = "cpu",
@@ -353,9 +401,11 @@ def what_fits(
         dtype: the frozen weights' dtype under LoRA, "bf16" or "fp32" (what is counted live before the step).
         compute: "bf16" (autocast) or "fp32" (the steps measured on an fp32 model); default bf16 where it is
             native (a GPU, a CPU with AMX), else fp32.
-        lengths, layers: the two lengths and the two depths measured; by default (`default_lengths`) the lengths
-            are long enough that the loss head's chunk and the MLP's tile stop growing with them: from two
-            shorter lengths the line would carry the growth of a whole-length chunk or tile.
+        lengths, layers: the two lengths and the two depths measured (default 1 and 2 layers, 2 and 3 for an
+            offload policy, whose backward prefetches the layer before the one it runs); by default
+            (`default_lengths`) the lengths are long enough that the loss head's chunk and the MLP's tile stop growing with them, per method: from
+            two shorter lengths the line would carry the growth of a whole-length chunk or tile. An offload
+            policy's host copies are counted apart (host memory on a GPU; on a CPU measured outside the peak).
         verify: also run the step at this many tokens (at the deeper depth measured) and report the prediction's
             error there.
         log: called with a line before each measurement (the command line prints them: a real shape takes minutes).
@@ -364,7 +414,9 @@ def what_fits(
     if not memories:
         raise ValueError(f"{_NAME}: `memory` names no size")
     config = load_config(model)
-    lengths = lengths or default_lengths(config)
+    # An offload policy's backward holds the layer it runs and the one it prefetches: from two layers on, each
+    # layer more adds what it keeps on the device, not its inputs (those are on the host).
+    layers = layers or ((2, 3) if Policy.parse(policy).offload else (1, 2))
     _check(lora, dtype, compute, lengths, layers, batch_at, verify)
     dev = torch.device(device)
     compute = compute or ("bf16" if dev.type == "cuda" or _has_amx() else "fp32")
@@ -376,18 +428,20 @@ def what_fits(
     optimizer_step = 0 if lora else 2 * trained_bytes
     methods = []
     for name in (HF_GC, f"fastckpt {policy}"):
-        measured = {}
+        at = lengths or default_lengths(config, tiled=name != HF_GC)
+        measured, host = {}, {}
         for depth in layers:
-            log(f"{_NAME}: {name} at {depth} layer(s), {lengths[0]:,} and {lengths[1]:,} tokens ({compute})")
-            peaks = measure_steps(config, name, policy, lora, measured_dtype, depth, lengths, dev, compute == "bf16")
-            measured.update({(depth, tokens): peak for tokens, peak in peaks.items()})
-        methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step))
+            log(f"{_NAME}: {name} at {depth} layer(s), {at[0]:,} and {at[1]:,} tokens ({compute})")
+            steps = measure_steps(config, name, policy, lora, measured_dtype, depth, at, dev, compute == "bf16")
+            measured.update({(depth, tokens): peak for tokens, (peak, _) in steps.items()})
+            host.update({(depth, tokens): offloaded for tokens, (_, offloaded) in steps.items()})
+        methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step, host))
     label = model if isinstance(model, str) else config.model_type
     what = f"LoRA r={lora}, frozen weights {dtype}" if lora else "full fine-tune, fp32 weights"
     description = (f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
                    f"{config.vocab_size:,}; {what}, AdamW; one row of tokens")  # fmt: skip
     on = f"{dev.type}" + (f" ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else "")
-    report = Report(str(label), description, memories, methods, batch_at, on, compute, tuple(lengths), tuple(layers))
+    report = Report(str(label), description, memories, methods, batch_at, on, compute, tuple(layers))
     if verify:
         free = free_memory(dev)
         for method in methods:
@@ -396,7 +450,7 @@ def what_fits(
                 report.unverified[method.name] = (verify, predicted, free)
                 continue
             log(f"{_NAME}: {method.name} at {layers[1]} layers, {verify:,} tokens (the check)")
-            (measured,) = measure_steps(
+            ((measured, _),) = measure_steps(
                 config, method.name, policy, lora, measured_dtype, layers[1], [verify], dev, compute == "bf16"
             ).values()
             report.verified[method.name] = (verify, measured, predicted)
@@ -416,11 +470,12 @@ def free_memory(device: torch.device) -> int:
     return int(0.8 * available)
 
 
-def default_lengths(config: Any) -> tuple[int, int]:
-    """Two lengths, the second twice the first, where neither the loss head's chunk nor the MLP's tile (under
-    `tile_mlp`) grows any more with the length: at least four chunks and one tile, and 512 tokens, in multiples
-    of 256. Below them a line through two lengths would carry the growth of a whole-length chunk or tile on."""
-    first = max(512, 4 * default_chunk_size(config.vocab_size), default_tile(config))
+def default_lengths(config: Any, tiled: bool = True) -> tuple[int, int]:
+    """Two lengths, the second twice the first, where neither the loss head's chunk nor (`tiled`: fastckpt's
+    steps) the MLP's tile grows any more with the length: at least four chunks and one tile, and 512 tokens, in
+    multiples of 256. Below them a line through two lengths would carry the growth of a whole-length chunk or
+    tile on. HF GC's step is linear in the length from any length (whole logits, whole MLP)."""
+    first = max(512, 4 * default_chunk_size(config.vocab_size), default_tile(config) if tiled else 0)
     first = -(-first // 256) * 256
     return first, 2 * first
 
@@ -443,7 +498,7 @@ def _check(lora: Any, dtype: Any, compute: Any, lengths: Any, layers: Any, batch
         raise ValueError(f"{_NAME}: `dtype` must be 'bf16' or 'fp32', got {dtype!r}")
     if compute not in (None, "bf16", "fp32"):
         raise ValueError(f"{_NAME}: `compute` must be 'bf16', 'fp32' or None, got {compute!r}")
-    for name, pair in (("lengths", lengths), ("layers", layers)):
+    for name, pair in (("lengths", lengths or (1, 2)), ("layers", layers)):
         if len(pair) != 2 or not all(positive_int(v) for v in pair) or pair[0] >= pair[1]:
             raise ValueError(f"{_NAME}: `{name}` must be two increasing positive integers, got {pair!r}")
     for name, value in (("batch_at", batch_at), ("verify", verify)):
@@ -462,7 +517,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="LoRA's frozen weights")
     parser.add_argument("--compute", default=None, choices=["bf16", "fp32"], help="default: bf16 where native")
     parser.add_argument("--lengths", default=None, help="the two lengths measured (default: past the head's chunk)")
-    parser.add_argument("--layers", default="1,2", help="the two depths measured (default 1,2)")
+    parser.add_argument("--layers", default=None, help="the two depths measured (default 1,2; 2,3 offloading)")
     parser.add_argument("--batch-at", type=int, default=None, help="also the largest batch of rows this long")
     parser.add_argument("--verify", type=int, default=None, help="run the step at this length to check the line")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -470,7 +525,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
     report = what_fits(
         args.model, lora=None if args.full else args.lora, memory=args.memory.split(","), policy=args.policy,
         dtype=args.dtype, compute=args.compute, lengths=args.lengths and _pair(args.lengths, "--lengths"),
-        layers=_pair(args.layers, "--layers"), batch_at=args.batch_at, verify=args.verify, device=args.device,
+        layers=args.layers and _pair(args.layers, "--layers"), batch_at=args.batch_at, verify=args.verify,
+        device=args.device,
         log=lambda message: print(message, file=sys.stderr, flush=True),
     )  # fmt: skip
     print(report.table())

@@ -42,6 +42,18 @@ def test_fastckpt_holds_longer_sequences_than_hf_gc(lora_report):
     assert "longest sequence, fastckpt recompute+int8 / HF GC" in text and "measured on a CPU" in text
 
 
+def test_an_offload_policys_host_copies_are_counted_apart_from_the_device(lora_report):
+    report = fits.what_fits("tiny-llama", lora=4, memory="1GiB", policy="recompute+int8+offload", **SMALL)
+    _, offloaded = report.methods
+    _, kept = lora_report.methods
+    host = offloaded.host_line()
+    assert kept.host_line() is None and host is not None and host.per_token > 0
+    assert report.layers == (2, 3)  # past the layer the backward prefetches
+    # the layers' int8 inputs went to the host: the device holds less, by at least most of them
+    assert kept.peak().per_token - offloaded.peak().per_token >= 0.8 * host.per_token
+    assert "fastckpt recompute+int8+offload offloads to host memory" in report.table()
+
+
 def test_what_is_live_before_the_step_is_counted_at_the_models_depth():
     config = fits.load_config("tiny-llama")
     resident, trained = fits.live_before_step(config, None, fits.torch.float32)

@@ -147,6 +147,9 @@ class OffloadEngine:
         self._in_flight: collections.deque[tuple[Any, int]] = collections.deque()
         self._groups: list[weakref.ref] = []  # in forward (pack) order
         self._streams: dict[tuple[torch.device, str], Any] = {}
+        # False: tensors already in host memory (a CPU step's) are kept as they are. True: copied into the arena
+        # like a GPU's (fastckpt.fits measures on a CPU what a GPU would keep on its device).
+        self.copies_cpu_tensors = False
         self.waits_for_bound = 0  # times forward waited for a queued copy to finish
         self.prefetched = 0  # tensors copied back ahead of their use
         self.prefetch_hits = 0  # tensors whose unpack found them already prefetched

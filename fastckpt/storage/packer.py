@@ -198,12 +198,13 @@ class SegmentStorage:
             encoded = codecs.encode_tensor(t, codec, policy.group_size, policy.stochastic_rounding, exact_two=True)
             self.record.codecs.add(encoded.codec)
         tensors = encoded.payload if encoded else (t,)
-        if policy.offload and t.device.type != "cpu":
+        if policy.offload and (t.device.type != "cpu" or offload.ENGINE.copies_cpu_tensors):
             self.record.count_kept(tensors, on_host=True)
             if self._offload_group is None:
                 self._offload_group = offload.ENGINE.group()
             copies = tuple(offload.to_host(x, self._offload_group) for x in tensors)
-            return _Stored(encoded, copies, True, None)
+            # the codec's metadata without its device payload: the host copies are what is kept
+            return _Stored(dataclasses.replace(encoded, payload=()) if encoded else None, copies, True, None)
         self.record.count_kept(tensors)
         return _Stored(encoded, tensors, False, None if encoded else t._version)
 

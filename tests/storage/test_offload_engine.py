@@ -246,3 +246,27 @@ def test_cuda_steps_reuse_the_pinned_arena_and_prefetch():
     step()
     assert eng.arena.allocations == allocations  # no pinned allocation after the first step
     assert eng.prefetch_hits > hits  # blocks 1 and 0 found their tensors already on the device
+
+
+@pytest.mark.parametrize("policy", ["int8+offload", "offload"])
+def test_an_offloaded_tensor_leaves_the_device_codec_payload_included(monkeypatch, policy):
+    """What an offload policy keeps is its host copy alone: after the forward the device holds the output and
+    nothing the segment saved (a codec's device payload was held beside its host copy)."""
+    import numpy
+
+    from fastckpt.memory import MemoryTrace
+
+    # CPU tensors copied as a GPU's would be, into host buffers outside torch's allocator (as fastckpt.fits does)
+    monkeypatch.setattr(offload.ENGINE, "copies_cpu_tensors", True)
+    host = offload.HostArena(allocate=lambda nbytes: torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8)))
+    monkeypatch.setattr(offload.ENGINE, "arena", host)
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(512, 512)
+    x = torch.randn(256, 512, requires_grad=True)
+    with MemoryTrace("cpu") as trace:
+        y = fastckpt.checkpoint(lambda t: torch.tanh(layer(t)) * 2, x, policy=policy)
+    live = sum(size for _, freed, size, _ in trace.lifetimes if freed is None)
+    assert host.allocated_bytes > 0
+    assert live <= 1.05 * y.nbytes, (live, y.nbytes)
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(x.grad).all()
