@@ -403,9 +403,10 @@ def what_fits(
             native (a GPU, a CPU with AMX), else fp32.
         lengths, layers: the two lengths and the two depths measured (default 1 and 2 layers, 2 and 3 for an
             offload policy, whose backward prefetches the layer before the one it runs); by default
-            (`default_lengths`) the lengths are long enough that the loss head's chunk and the MLP's tile stop growing with them, per method: from
-            two shorter lengths the line would carry the growth of a whole-length chunk or tile. An offload
-            policy's host copies are counted apart (host memory on a GPU; on a CPU measured outside the peak).
+            (`default_lengths`) the lengths are long enough that the loss head's chunk and the MLP's tile stop
+            growing with them, per method: from two shorter lengths the line would carry the growth of a
+            whole-length chunk or tile. An offload policy's host copies are counted apart (host memory on a
+            GPU; on a CPU measured outside the peak).
         verify: also run the step at this many tokens (at the deeper depth measured) and report the prediction's
             error there.
         log: called with a line before each measurement (the command line prints them: a real shape takes minutes).
