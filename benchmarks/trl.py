@@ -1,5 +1,5 @@
-"""One step of TRL's SFTTrainer (or DPOTrainer) at a real model shape: `python -m benchmarks trl [--quick]`
-(`python -m benchmarks.trl --trainer dpo` for DPO).
+"""One step of TRL's SFTTrainer (or DPO, GRPO, KTO) at a real model shape: `python -m benchmarks trl [--quick]`
+(`python -m benchmarks.trl --trainer dpo|grpo|kto` for the others).
 
 TRL 1.16's SFTTrainer computes the loss through its own fused LM head (per-token log-probabilities in tiles, no
 full logits) and turns on HF gradient checkpointing by default; the rows are what a user can set around it:
@@ -13,7 +13,11 @@ two examples of 1,024 and 896 tokens (`--quick`: 512 and 448) that TRL's collato
 autocast (`bf16=True`), learning rate 0 so that every row steps from the same weights. DPO: one preference pair,
 a prompt of 512 tokens, chosen 512 and rejected 384 (`--quick`: half), so the two sequences are SFT's lengths
 and half their tokens are prompt (no loss there); its reference is the same PEFT model with the adapters off
-(TRL's default with PEFT), a no-grad forward of both sequences each step. Each row: the trainer
+(TRL's default with PEFT), a no-grad forward of both sequences each step. GRPO: one prompt of 1,536 tokens
+(`--quick`: 256), two completions generated inside the step (16 tokens each: the training step's length is the
+prompt's, generation is what a CPU cannot afford at length), a reward of the completions' length, TRL's default
+beta 0 (no reference model). KTO: two examples (one desirable, one not) of a 512-token prompt and a 512-token
+completion (`--quick`: half), its reference the adapters off. Each row: the trainer
 is built and trains one step (`train()`: what turns checkpointing on, and the warm-up), then `training_step`
 on the same batch is timed (median of the rounds) and its peak measured (the profiler's allocation records on
 CPU).
@@ -53,7 +57,18 @@ SIZES = {
         "quick": ("qwen2.5-0.5b", (256, 256, 192), 1),
         "smoke": ("smoke", (32, 32, 16), 1),
     },
+    "grpo": {  # one prompt's tokens, each generated completion's
+        "full": ("qwen2.5-0.5b", (1536, 16), 1),
+        "quick": ("qwen2.5-0.5b", (256, 16), 1),
+        "smoke": ("smoke", (32, 8), 1),
+    },
+    "kto": {  # each example's prompt and completion tokens
+        "full": ("qwen2.5-0.5b", (512, 512), 1),
+        "quick": ("qwen2.5-0.5b", (256, 256), 1),
+        "smoke": ("smoke", (32, 16), 1),
+    },
 }
+COMPLETIONS = 2  # GRPO: completions generated per prompt (its group)
 
 
 @dataclass(frozen=True)
@@ -96,37 +111,63 @@ def words(generator: torch.Generator, vocab: int, n: int) -> str:
 
 def _dataset(trainer_name: str, vocab: int, lengths: tuple[int, ...]) -> Any:
     """SFT: tokenized examples of `lengths` tokens; DPO: one pair of the tokenizer's words (prompt, chosen,
-    rejected lengths; TRL tokenizes them and appends EOS)."""
+    rejected lengths; TRL tokenizes them and appends EOS); GRPO: prompts; KTO: a desirable and an undesirable
+    example (prompt, completion)."""
     import datasets
 
     generator = torch.Generator().manual_seed(1)
     if trainer_name == "sft":
         ids = [torch.randint(2, vocab, (n,), generator=generator).tolist() for n in lengths]
         return datasets.Dataset.from_list([{"input_ids": row} for row in ids])
+    if trainer_name == "grpo":
+        return datasets.Dataset.from_list([{"prompt": words(generator, vocab, lengths[0])} for _ in range(4)])
+    if trainer_name == "kto":
+        return datasets.Dataset.from_list([
+            {"prompt": words(generator, vocab, lengths[0]), "completion": words(generator, vocab, lengths[1]),
+             "label": label} for label in (True, False)
+        ])  # fmt: skip
     prompt, chosen, rejected = (words(generator, vocab, n) for n in lengths)
     return datasets.Dataset.from_list([{"prompt": prompt, "chosen": chosen, "rejected": rejected}])
+
+
+def _completion_length_reward(completions: list, **kwargs: Any) -> list[float]:
+    """GRPO's reward: any function of the completions serves (its value does not change the step's cost)."""
+    return [len(str(c)) / 100.0 for c in completions]
+
+
+def _trainer_kind(trainer_name: str, lengths: tuple[int, ...], vocab: int) -> tuple[Any, Any, dict, dict, int]:
+    """(config class, trainer class, the config's and the trainer's further arguments, the longest sequence)."""
+    import trl
+
+    if trainer_name == "sft":
+        return trl.SFTConfig, trl.SFTTrainer, {"per_device_train_batch_size": len(lengths),
+                                               "max_length": max(lengths)}, {}, max(lengths)  # fmt: skip
+    if trainer_name == "dpo":
+        longest = lengths[0] + max(lengths[1:]) + 1  # prompt + completion + EOS
+        return trl.DPOConfig, trl.DPOTrainer, {"per_device_train_batch_size": 1, "max_length": longest}, {}, longest
+    if trainer_name == "kto":
+        longest = sum(lengths) + 1
+        return trl.KTOConfig, trl.KTOTrainer, {"per_device_train_batch_size": 2, "max_length": longest}, {}, longest
+    grpo = {"per_device_train_batch_size": COMPLETIONS, "num_generations": COMPLETIONS,
+            "max_completion_length": lengths[1]}  # fmt: skip
+    return trl.GRPOConfig, trl.GRPOTrainer, grpo, {"reward_funcs": _completion_length_reward}, sum(lengths) + 1
 
 
 def trainer_step(
     shape_name: str, lengths: tuple[int, ...], setup: Setup, out: str, trainer_name: str = "sft"
 ) -> Callable[[], float]:
-    """A callable running `training_step` of `setup`'s trainer (`trainer_name`: "sft" or "dpo"), after its first
-    step, on the batch; it returns the loss."""
-    import trl
-
+    """A callable running `training_step` of `setup`'s trainer (`trainer_name`: one of SIZES), after its first
+    step, on the batch; it returns the loss (GRPO: generation included)."""
     shape = SHAPES[shape_name]
-    sft = trainer_name == "sft"
-    longest = max(lengths) if sft else lengths[0] + max(lengths[1:]) + 1  # DPO: prompt + completion + EOS
+    config_class, trainer_class, arguments, extra, longest = _trainer_kind(trainer_name, lengths, shape.vocab)
     model = build(shape, lora=True, tokens=longest)
     if setup.enable is not None:
         hf.enable(model, **setup.enable)
-    config_class, trainer_class = (trl.SFTConfig, trl.SFTTrainer) if sft else (trl.DPOConfig, trl.DPOTrainer)
     config = config_class(
         output_dir=os.path.join(out, "trl"),
-        per_device_train_batch_size=len(lengths) if sft else 1,
         max_steps=1,
         learning_rate=0.0,
-        max_length=longest,
+        **arguments,
         bf16=True,
         use_cpu=not torch.cuda.is_available(),
         save_strategy="no",
@@ -140,13 +181,14 @@ def trainer_step(
         args=config,
         train_dataset=_dataset(trainer_name, shape.vocab, lengths),
         processing_class=tokenizer(shape.vocab),
+        **extra,
     )
     trainer.train()
     batch = next(iter(trainer.get_train_dataloader()))
     trainer.current_gradient_accumulation_steps = 1
 
     def run() -> float:
-        loss = trainer.training_step(trainer.model, batch)
+        loss = trainer.training_step(trainer.model, batch, None)
         trainer.model.zero_grad(set_to_none=True)
         return float(loss)
 
@@ -171,11 +213,12 @@ def main(
     shape_name, lengths, rounds = SIZES[trainer]["smoke" if smoke else "quick" if quick else "full"]
     shape_name = shape or shape_name
     out = out or "bench-results/trl"
-    batch = (
-        f"{len(lengths)} examples of {lengths} tokens (right padding)"
-        if trainer == "sft"
-        else f"one preference pair: prompt, chosen, rejected of {lengths} tokens"
-    )
+    batch = {
+        "sft": f"{len(lengths)} examples of {lengths} tokens (right padding)",
+        "dpo": f"one preference pair: prompt, chosen, rejected of {lengths} tokens",
+        "grpo": f"one prompt of {lengths[0]} tokens, {COMPLETIONS} completions of {lengths[1]} generated in the step",
+        "kto": f"two examples (desirable, undesirable): prompt, completion of {lengths} tokens",
+    }[trainer]
     print(f"TRL {trainer.upper()}Trainer, one step: {shape_name} LoRA r=16, bf16, {batch}, {device}", flush=True)
     results: dict[str, dict] = {}
     failed: dict[str, str] = {}
@@ -241,7 +284,7 @@ if __name__ == "__main__":
 
     parser = argparse.ArgumentParser(prog="python -m benchmarks.trl", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a real-shape model (default: qwen2.5-0.5b)")
-    parser.add_argument("--trainer", choices=sorted(SIZES), default="sft", help="TRL's SFTTrainer or DPOTrainer")
+    parser.add_argument("--trainer", choices=sorted(SIZES), default="sft", help="which TRL trainer (default sft)")
     parser.add_argument("--quick", action="store_true", help="512 and 448 tokens, one round")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()

@@ -1,5 +1,5 @@
-"""The TRL benchmark's smoke run: every row runs in TRL's SFTTrainer and DPOTrainer and is reported against TRL +
-HF GC."""
+"""The TRL benchmark's smoke run: every row runs in TRL's SFT, DPO, GRPO and KTO trainers and is reported against
+TRL + HF GC."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ pytest.importorskip("datasets")
 pytest.importorskip("peft")
 
 
-@pytest.mark.parametrize("trainer", ["sft", "dpo"])
+@pytest.mark.parametrize("trainer", ["sft", "dpo", "grpo", "kto"])
 def test_smoke_run_reports_every_row(capsys, tmp_path, trainer):
     from benchmarks import trl as bench
 
@@ -22,4 +22,4 @@ def test_smoke_run_reports_every_row(capsys, tmp_path, trainer):
     # learning rate 0: every row steps from the same weights, so the losses agree (the served head: up to rounding)
     assert max(row["loss"] for row in rows) - min(row["loss"] for row in rows) < 1e-2
     assert "not run on CPU: TRL's activation offloading" in printed
-    assert (tmp_path / ("trl.csv" if trainer == "sft" else "trl_dpo.csv")).exists()
+    assert (tmp_path / ("trl.csv" if trainer == "sft" else f"trl_{trainer}.csv")).exists()
