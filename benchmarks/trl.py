@@ -10,7 +10,8 @@ with `loss_head=True` (fastckpt's head serves TRL's fused-head calls) and padded
 The model: Qwen2.5-0.5B's shape (random weights, bf16, LoRA r=16 on all seven projections, as a PEFT model;
 `python -m benchmarks.trl --shape llama-3.2-1b` for another of benchmarks/real_shapes.py's shapes), a batch of
 two examples of 1,024 and 896 tokens (`--quick`: 512 and 448) that TRL's collator pads on the right, bf16
-autocast (`bf16=True`), learning rate 0 so that every row steps from the same weights. DPO: one preference pair,
+autocast (`bf16=True`; `--compute fp32`: an fp32 model without autocast, for a CPU where bf16 is emulated),
+learning rate 0 so that every row steps from the same weights. DPO: one preference pair,
 a prompt of 512 tokens, chosen 512 and rejected 384 (`--quick`: half), so the two sequences are SFT's lengths
 and half their tokens are prompt (no loss there); its reference is the same PEFT model with the adapters off
 (TRL's default with PEFT), a no-grad forward of both sequences each step. GRPO: one prompt of 1,536 tokens
@@ -154,13 +155,13 @@ def _trainer_kind(trainer_name: str, lengths: tuple[int, ...], vocab: int) -> tu
 
 
 def trainer_step(
-    shape_name: str, lengths: tuple[int, ...], setup: Setup, out: str, trainer_name: str = "sft"
+    shape_name: str, lengths: tuple[int, ...], setup: Setup, out: str, trainer_name: str = "sft", bf16: bool = True
 ) -> Callable[[], float]:
     """A callable running `training_step` of `setup`'s trainer (`trainer_name`: one of SIZES), after its first
     step, on the batch; it returns the loss (GRPO: generation included)."""
     shape = SHAPES[shape_name]
     config_class, trainer_class, arguments, extra, longest = _trainer_kind(trainer_name, lengths, shape.vocab)
-    model = build(shape, lora=True, tokens=longest)
+    model = build(shape, lora=True, tokens=longest, dtype=torch.bfloat16 if bf16 else torch.float32)
     if setup.enable is not None:
         hf.enable(model, **setup.enable)
     config = config_class(
@@ -168,7 +169,7 @@ def trainer_step(
         max_steps=1,
         learning_rate=0.0,
         **arguments,
-        bf16=True,
+        bf16=bf16,
         use_cpu=not torch.cuda.is_available(),
         save_strategy="no",
         report_to=[],
@@ -202,6 +203,7 @@ def main(
     smoke: bool = False,
     shape: str | None = None,
     trainer: str = "sft",
+    compute: str = "bf16",
 ) -> list[dict]:
     import importlib.util
 
@@ -219,7 +221,7 @@ def main(
         "grpo": f"one prompt of {lengths[0]} tokens, {COMPLETIONS} completions of {lengths[1]} generated in the step",
         "kto": f"two examples (desirable, undesirable): prompt, completion of {lengths} tokens",
     }[trainer]
-    print(f"TRL {trainer.upper()}Trainer, one step: {shape_name} LoRA r=16, bf16, {batch}, {device}", flush=True)
+    print(f"TRL {trainer.upper()}Trainer, one step: {shape_name} LoRA r=16, {compute}, {batch}, {device}", flush=True)
     results: dict[str, dict] = {}
     failed: dict[str, str] = {}
     runs: dict[str, Callable[[], float]] = {}
@@ -234,7 +236,7 @@ def main(
         started = time.perf_counter()
         try:
             with quiet_profiler_logs():
-                runs[setup.name] = trainer_step(shape_name, lengths, setup, out, trainer)  # train() warms up
+                runs[setup.name] = trainer_step(shape_name, lengths, setup, out, trainer, compute == "bf16")  # warms up
         except Exception as err:
             failed[setup.name] = f"FAILED: {error_line(err)}"
         print(f"  {setup.name}: built and one step in {time.perf_counter() - started:.0f} s", flush=True)
@@ -268,7 +270,7 @@ def main(
             f"{fmt(time_x, '.2f'):>8}{r['loss']:>10.5f}"
         )
         rows.append({"trainer": trainer, "row": setup.name, "shape": shape_name, "tokens": sum(lengths),
-                     "peak_bytes": r["peak"], "peak_x_ref": peak_x, "seconds": r["time"], "time_x_ref": time_x,
+                     "compute": compute, "peak_bytes": r["peak"], "peak_x_ref": peak_x, "seconds": r["time"], "time_x_ref": time_x,
                      "loss": r["loss"]})  # fmt: skip
     print(
         "Liger Kernel's fused linear cross entropy: no row (TRL's SFT and DPO trainers refuse it beside their fused "
@@ -286,6 +288,7 @@ if __name__ == "__main__":
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a real-shape model (default: qwen2.5-0.5b)")
     parser.add_argument("--trainer", choices=sorted(SIZES), default="sft", help="which TRL trainer (default sft)")
     parser.add_argument("--quick", action="store_true", help="512 and 448 tokens, one round")
+    parser.add_argument("--compute", choices=["bf16", "fp32"], default="bf16", help="fp32: where bf16 is emulated")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    main(out=args.out, quick=args.quick, shape=args.shape, trainer=args.trainer)
+    main(out=args.out, quick=args.quick, shape=args.shape, trainer=args.trainer, compute=args.compute)
