@@ -270,8 +270,8 @@ def main(
             f"{fmt(time_x, '.2f'):>8}{r['loss']:>10.5f}"
         )
         rows.append({"trainer": trainer, "row": setup.name, "shape": shape_name, "tokens": sum(lengths),
-                     "compute": compute, "peak_bytes": r["peak"], "peak_x_ref": peak_x, "seconds": r["time"], "time_x_ref": time_x,
-                     "loss": r["loss"]})  # fmt: skip
+                     "compute": compute, "peak_bytes": r["peak"], "peak_x_ref": peak_x, "seconds": r["time"],
+                     "time_x_ref": time_x, "loss": r["loss"]})  # fmt: skip
     print(
         "Liger Kernel's fused linear cross entropy: no row (TRL's SFT and DPO trainers refuse it beside their fused "
         "head, and it needs a GPU: Triton)"
