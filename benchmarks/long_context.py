@@ -49,7 +49,9 @@ def rows() -> list[Row]:
     return [Row(HF_GC, hf_gc), Row(UNTILED, fastckpt(False)), Row(TILED, fastckpt(None))]
 
 
-def run(shape_name: str, lengths: list[int], layers: int, batch: str, compute: str, device: torch.device) -> list:
+def run(shape_name: str, lengths: list[int], layers: int, batch: str, compute: str, device: torch.device,
+        short: tuple[int, int] = SHORT) -> list[dict]:  # fmt: skip
+    """The rows at each of `lengths` (printed), HF GC's line measured at the `short` lengths."""
     shape = dataclasses.replace(SHAPES[shape_name], layers=layers)
     autocast = compute == "bf16"
     base = build(shape, True, max(lengths), torch.bfloat16 if autocast else torch.float32).to(device)
@@ -68,15 +70,15 @@ def run(shape_name: str, lengths: list[int], layers: int, batch: str, compute: s
         return {"peak": traced.peak, "parts": traced.parts, "at": traced.at, "seconds": seconds if timed else None}
 
     gc_row, *ours = rows()
-    short = {tokens: measure(gc_row, tokens, False)["peak"] for tokens in SHORT}
-    slope = (short[SHORT[1]] - short[SHORT[0]]) / (SHORT[1] - SHORT[0])
+    (n1, n2), short = short, {tokens: measure(gc_row, tokens, False)["peak"] for tokens in short}
+    slope = (short[n2] - short[n1]) / (n2 - n1)
 
     def gc_line(tokens: int) -> float:
-        return short[SHORT[0]] + slope * (tokens - SHORT[0])
+        return short[n1] + slope * (tokens - n1)
 
     print(f"\n== {shape_name} at {layers} layers, LoRA r=16, one row of {batch} tokens, {compute} compute; "
-          f"HF GC measured {short[SHORT[0]] / 2**20:,.0f} / {short[SHORT[1]] / 2**20:,.0f} MiB at "
-          f"{SHORT[0]:,} / {SHORT[1]:,} tokens ({slope * 1024 / 2**20:,.1f} MiB per 1K tokens)",
+          f"HF GC measured {short[n1] / 2**20:,.0f} / {short[n2] / 2**20:,.0f} MiB at "
+          f"{n1:,} / {n2:,} tokens ({slope * 1024 / 2**20:,.1f} MiB per 1K tokens)",
           flush=True)  # fmt: skip
     table = []
     for tokens in lengths:

@@ -43,7 +43,9 @@ def test_fastckpt_holds_longer_sequences_than_hf_gc(lora_report):
 
 
 def test_an_offload_policys_host_copies_are_counted_apart_from_the_device(lora_report):
-    report = fits.what_fits("tiny-llama", lora=4, memory="1GiB", policy="recompute+int8+offload", **SMALL)
+    report = fits.what_fits(
+        "tiny-llama", lora=4, memory="1GiB", policy="recompute+int8+offload", lengths=(1024, 2048), **SMALL
+    )
     _, offloaded = report.methods
     _, kept = lora_report.methods
     host = offloaded.host_line()
