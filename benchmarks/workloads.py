@@ -56,15 +56,6 @@ class StackShape:
         return f"{self.layers} layers, dim {self.dim}, {self.heads} heads, batch {self.batch} x seq {self.seq}"
 
 
-def gpt2_stack(shape: StackShape, device: torch.device) -> nn.ModuleList:
-    torch.manual_seed(0)
-    return nn.ModuleList(GPT2Block(shape.dim, shape.heads) for _ in range(shape.layers)).to(device)
-
-
-def gpt2_input(shape: StackShape, device: torch.device) -> torch.Tensor:
-    return torch.randn(shape.batch, shape.seq, shape.dim, device=device)
-
-
 class GPT2Stack(nn.Module):
     """GPT-2-style blocks; `segment(block, x)` runs each block (a checkpoint function), None runs them plainly."""
 

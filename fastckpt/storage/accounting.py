@@ -112,11 +112,6 @@ class Report:
 _current: contextvars.ContextVar[Report | None] = contextvars.ContextVar("fastckpt_track_report", default=None)
 
 
-def current_report() -> Report | None:
-    """The report of the innermost active `track()` block, or None."""
-    return _current.get()
-
-
 def register(record: SegmentRecord) -> None:
     """Add `record` to the innermost active `track()` report (once), if there is one. A storage calls it when
     it is made and again when backward first reads it: a track() block around the backward only sees that."""
