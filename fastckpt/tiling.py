@@ -84,7 +84,11 @@ class _RecomputedInTiles(torch.autograd.Function):
         ctx.function, ctx.tile, ctx.dim, ctx.parameters = function, tile, dim, parameters
         ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x)  # through the enclosing segment's policy: dropped by a recompute, or stored
-        return torch.cat([function(piece) for piece in x.split(tile, dim)], dim)
+        ctx.rng_states, outputs = [], []
+        for piece in x.split(tile, dim):
+            ctx.rng_states.append(_rng_state(x.device))  # each tile's recomputation draws what it drew (dropout)
+            outputs.append(function(piece))
+        return torch.cat(outputs, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
@@ -96,11 +100,14 @@ class _RecomputedInTiles(torch.autograd.Function):
         if grad_x is None and not wanted:
             return (None,) * (4 + len(ctx.parameters))
         length = x.shape[ctx.dim]
-        for start in range(0, length, ctx.tile):
+        devices = [x.device] if x.device.type == "cuda" else []
+        for start, state in zip(range(0, length, ctx.tile), ctx.rng_states, strict=True):
             size = min(ctx.tile, length - start)
             piece = x.narrow(ctx.dim, start, size).detach().requires_grad_(grad_x is not None)
-            with torch.enable_grad(), torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
-                out = ctx.function(piece)
+            with torch.random.fork_rng(devices=devices), torch.enable_grad():
+                _set_rng_state(x.device, state)
+                with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
+                    out = ctx.function(piece)
             inputs = ([piece] if grad_x is not None else []) + wanted
             grads = list(torch.autograd.grad(out, inputs, grad.narrow(ctx.dim, start, size), allow_unused=True))
             del out  # this tile's graph, before the next tile's
@@ -111,6 +118,16 @@ class _RecomputedInTiles(torch.autograd.Function):
                     sums[i] = g if sums[i] is None else sums[i].add_(g)
         given = iter(sums)
         return (None, None, None, grad_x, *(next(given) if needed else None for needed in ctx.needs_input_grad[4:]))
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+
+def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)
 
 
 def recompute_in_tiles(
@@ -128,8 +145,9 @@ def recompute_in_tiles(
     (dropped by a recompute policy and remade by its recomputation, or stored through its codec).
 
     `parameters`: the tensors requiring grad that `function` uses (a module's trained parameters); each gets the
-    sum of the tiles' gradients, once. Autocast is restored for the recomputation; random ops are not (for
-    functions without dropout). The function runs once more than untiled (its recomputation in backward).
+    sum of the tiles' gradients, once. Autocast and the RNG state are restored for each tile's recomputation, so
+    dropout draws the forward's masks (per tile: not an untiled run's masks, the same distribution). The function
+    runs once more than untiled (its recomputation in backward).
     """
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
         raise ValueError(f"fastckpt.tiling.recompute_in_tiles: `tile` must be an integer >= 1, got {tile!r}")

@@ -234,6 +234,18 @@ def test_recompute_in_tiles_restores_autocast_for_the_recomputation():
     assert rel_l2(grads_tiled, grads) < 1e-2  # bf16 tiles against bf16 whole (fp32 recomputation: ~1e-1 off)
 
 
+def test_recompute_in_tiles_replays_each_tiles_dropout():
+    module, x = mlp(dropout=0.5).train(), torch.randn(2, 48, 32)
+    xs = x.detach().requires_grad_(True)
+    torch.manual_seed(7)  # the tiles run one after the other, plainly: the masks the tiled run must replay
+    y = torch.cat([module(piece) for piece in xs.split(16, dim=1)], dim=1)
+    y.pow(2).sum().backward()
+    expected = torch.cat([xs.grad.flatten(), *(p.grad.flatten() for p in module.parameters())])
+    torch.manual_seed(7)
+    _, got = output_and_grads(Tiles(module, 16), x)
+    assert rel_l2(got, expected) < 1e-6
+
+
 def test_recompute_in_tiles_inside_a_recomputed_segment_holds_one_tile():
     torch.manual_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(64, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 64))
