@@ -79,3 +79,29 @@ def test_a_long_rows_recomputed_layer_holds_one_tile_of_its_mlp():
 def test_a_bad_tile_is_named(value):
     with pytest.raises(ValueError, match="`tile_mlp` must be None"):
         hf.enable(llama(), "recompute", tile_mlp=value)
+
+
+FAMILIES = {  # causal LMs whose decoder layers hold a position-wise `mlp` (config class, model class, attention)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "sdpa"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "sdpa"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", "sdpa"),  # one fused gate_up projection
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "eager"),  # soft caps, eager attention
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_tile_their_mlps_to_the_same_gradients(family):
+    config_class, model_class, attention = FAMILIES[family]
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = tiny_decoder_config(config_class, VOCAB)()
+        config._attn_implementation = attention
+        return getattr(transformers, model_class)(config)
+
+    loss, grads = loss_and_grads(hf.enable(model(), "recompute", tile_mlp=False), tokens=40)
+    tiled = hf.enable(model(), "recompute", tile_mlp=16)
+    assert len(_TiledMLP.tiles(tiled)) == LAYERS
+    tiled_loss, tiled_grads = loss_and_grads(tiled, tokens=40)
+    torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=1e-6)
+    assert max_rel_l2(tiled_grads, grads) < 1e-5
