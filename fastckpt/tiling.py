@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fastckpt.api import CheckpointWrapper, checkpoint
+from fastckpt.engine.replay import ForwardState
 from fastckpt.policies import Policy
 
 
@@ -82,11 +83,11 @@ class _RecomputedInTiles(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, function: Callable, tile: int, dim: int, x: torch.Tensor, *parameters: torch.Tensor) -> Any:
         ctx.function, ctx.tile, ctx.dim, ctx.parameters = function, tile, dim, parameters
-        ctx.autocast = (torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type))
         ctx.save_for_backward(x)  # through the enclosing segment's policy: dropped by a recompute, or stored
-        ctx.rng_states, outputs = [], []
+        ctx.states, outputs = [], []
         for piece in x.split(tile, dim):
-            ctx.rng_states.append(_rng_state(x.device))  # each tile's recomputation draws what it drew (dropout)
+            # each tile's recomputation runs under its forward's RNG (dropout draws its masks again) and autocast
+            ctx.states.append(ForwardState.capture([piece], preserve_rng_state=True))
             outputs.append(function(piece))
         return torch.cat(outputs, dim)
 
@@ -96,18 +97,14 @@ class _RecomputedInTiles(torch.autograd.Function):
         wanted = [p for p, needed in zip(ctx.parameters, ctx.needs_input_grad[4:], strict=True) if needed]
         sums: list[torch.Tensor | None] = [None] * len(wanted)
         grad_x = torch.empty_like(x) if ctx.needs_input_grad[3] else None
-        enabled, dtype = ctx.autocast
         if grad_x is None and not wanted:
             return (None,) * (4 + len(ctx.parameters))
         length = x.shape[ctx.dim]
-        devices = [x.device] if x.device.type == "cuda" else []
-        for start, state in zip(range(0, length, ctx.tile), ctx.rng_states, strict=True):
+        for start, state in zip(range(0, length, ctx.tile), ctx.states, strict=True):
             size = min(ctx.tile, length - start)
             piece = x.narrow(ctx.dim, start, size).detach().requires_grad_(grad_x is not None)
-            with torch.random.fork_rng(devices=devices), torch.enable_grad():
-                _set_rng_state(x.device, state)
-                with torch.autocast(x.device.type, dtype=dtype, enabled=enabled):
-                    out = ctx.function(piece)
+            with state.replay(), torch.enable_grad():
+                out = ctx.function(piece)
             inputs = ([piece] if grad_x is not None else []) + wanted
             grads = list(torch.autograd.grad(out, inputs, grad.narrow(ctx.dim, start, size), allow_unused=True))
             del out  # this tile's graph, before the next tile's
@@ -118,16 +115,6 @@ class _RecomputedInTiles(torch.autograd.Function):
                     sums[i] = g if sums[i] is None else sums[i].add_(g)
         given = iter(sums)
         return (None, None, None, grad_x, *(next(given) if needed else None for needed in ctx.needs_input_grad[4:]))
-
-
-def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-
-def _set_rng_state(device: torch.device, state: tuple[torch.Tensor, torch.Tensor | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state(state[1], device)
 
 
 def recompute_in_tiles(
