@@ -44,6 +44,7 @@ from benchmarks.real_shapes import SHAPES, Workload, batch_of, build
 from benchmarks.report import cpu_flags
 from benchmarks.steps import HF_GC, fmt, hf_gc, hf_loss
 from benchmarks.steps import fastckpt as fastckpt_row
+from fastckpt.fits import native_bf16
 from fastckpt.memory import MemoryTrace
 
 CLIP = 1.0
@@ -197,7 +198,7 @@ def extrapolated(at: dict[int, Measured], layers: int) -> Measured:
 def run(workload: Workload, device: torch.device, full_depth: bool, timed: int, isolated: bool = True,
         configs: tuple[Config, ...] = CONFIGS) -> list[dict]:  # fmt: skip
     shape = SHAPES[workload.shape]
-    autocast = device.type == "cuda" or "amx_bf16" in cpu_flags()
+    autocast = native_bf16(device)
     depths = (shape.layers,) if full_depth or device.type == "cuda" else DEPTHS
     started = time.perf_counter()
     results: dict[str, Measured] = {}

@@ -30,9 +30,8 @@ from benchmarks.harness import quiet_profiler_logs, write_csv
 from benchmarks.ops import _reuse_freed_host_memory
 from benchmarks.real_shapes import CATEGORIES, SHAPES, Workload, batch_of, build, traced_step
 from benchmarks.report import cpu_flags
-from benchmarks.steps import HF_GC, Row, fmt, hf_gc, hf_loss, sharing_copy, step
-from fastckpt.fits import free_memory
-from fastckpt.integrations import hf
+from benchmarks.steps import HF_GC, Row, fastckpt, fmt, hf_gc, hf_loss, sharing_copy, step
+from fastckpt.fits import free_memory, native_bf16
 
 SHORT = (2048, 4096)  # where HF GC's line is measured
 UNTILED = "fastckpt recompute+int8, MLP untiled"
@@ -40,13 +39,11 @@ TILED = "fastckpt recompute+int8, MLP tiled"
 
 
 def rows() -> list[Row]:
-    def fastckpt(tile_mlp: bool | None) -> Row:
-        def prepare(model: torch.nn.Module) -> None:
-            hf.enable(model, "recompute+int8", loss_head=True, padded_attention=True, tile_mlp=tile_mlp)
-
-        return prepare
-
-    return [Row(HF_GC, hf_gc), Row(UNTILED, fastckpt(False)), Row(TILED, fastckpt(None))]
+    return [
+        Row(HF_GC, hf_gc),
+        Row(UNTILED, fastckpt("recompute+int8", True, padded=True, tile_mlp=False)),
+        Row(TILED, fastckpt("recompute+int8", True, padded=True)),  # tile_mlp: hf.enable's default
+    ]
 
 
 def run(shape_name: str, lengths: list[int], layers: int, batch: str, compute: str, device: torch.device,
@@ -127,7 +124,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     flags = cpu_flags()
-    compute = args.compute or ("bf16" if device.type == "cuda" or "amx_bf16" in flags else "fp32")
+    compute = args.compute or ("bf16" if native_bf16(device) else "fp32")
     layers = args.layers or (2 if compute == "fp32" else SHAPES[args.shape].layers)
     if device.type == "cpu" and _reuse_freed_host_memory():
         print("(CPU: glibc malloc set to reuse freed memory)")

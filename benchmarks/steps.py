@@ -9,6 +9,7 @@ import copy
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,9 +44,9 @@ def hf_gc(model: torch.nn.Module, **kwargs) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **kwargs})
 
 
-def fastckpt(policy: str, loss_head: bool, padded: bool = False) -> Callable[[torch.nn.Module], None]:
-    """`prepare` of a fastckpt row: `hf.enable(model, policy=..., loss_head=..., padded_attention=...)`."""
-    return functools.partial(hf.enable, policy=policy, loss_head=loss_head, padded_attention=padded)
+def fastckpt(policy: str, loss_head: bool, padded: bool = False, **options: Any) -> Callable[[torch.nn.Module], None]:
+    """`prepare` of a fastckpt row: `hf.enable(model, policy=..., loss_head=..., padded_attention=..., **options)`."""
+    return functools.partial(hf.enable, policy=policy, loss_head=loss_head, padded_attention=padded, **options)
 
 
 def step(model: torch.nn.Module, batch: dict, loss: Callable = hf_loss, autocast: bool = True) -> None:

@@ -136,7 +136,7 @@ def _completion_length_reward(completions: list, **kwargs: Any) -> list[float]:
     return [len(str(c)) / 100.0 for c in completions]
 
 
-def _trainer_kind(trainer_name: str, lengths: tuple[int, ...], vocab: int) -> tuple[Any, Any, dict, dict, int]:
+def _trainer_kind(trainer_name: str, lengths: tuple[int, ...]) -> tuple[Any, Any, dict, dict, int]:
     """(config class, trainer class, the config's and the trainer's further arguments, the longest sequence)."""
     import trl
 
@@ -160,7 +160,7 @@ def trainer_step(
     """A callable running `training_step` of `setup`'s trainer (`trainer_name`: one of SIZES), after its first
     step, on the batch; it returns the loss (GRPO: generation included)."""
     shape = SHAPES[shape_name]
-    config_class, trainer_class, arguments, extra, longest = _trainer_kind(trainer_name, lengths, shape.vocab)
+    config_class, trainer_class, arguments, extra, longest = _trainer_kind(trainer_name, lengths)
     model = build(shape, lora=True, tokens=longest, dtype=torch.bfloat16 if bf16 else torch.float32)
     if setup.enable is not None:
         hf.enable(model, **setup.enable)

@@ -420,7 +420,7 @@ def what_fits(
     layers = layers or ((2, 3) if Policy.parse(policy).offload else (1, 2))
     _check(lora, dtype, compute, lengths, layers, batch_at, verify)
     dev = torch.device(device)
-    compute = compute or ("bf16" if dev.type == "cuda" or _has_amx() else "fp32")
+    compute = compute or ("bf16" if native_bf16(dev) else "fp32")
     weights_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
     resident, trained_bytes = live_before_step(config, lora, weights_dtype)
     # fp32 compute measures an fp32 model (bf16 frozen weights without autocast would compute in bf16)
@@ -481,7 +481,11 @@ def default_lengths(config: Any, tiled: bool = True) -> tuple[int, int]:
     return first, 2 * first
 
 
-def _has_amx() -> bool:
+def native_bf16(device: torch.device) -> bool:
+    """Whether bf16 matmuls run natively on `device`: a GPU, or a CPU with AMX (elsewhere a CPU emulates them, many
+    times slower than fp32)."""
+    if device.type == "cuda":
+        return True
     try:
         with open("/proc/cpuinfo") as f:
             return "amx_bf16" in f.read()
