@@ -7,7 +7,7 @@ model holds in a memory size, under HF gradient checkpointing and under fastckpt
     report = fastckpt.fits.what_fits("qwen2.5-0.5b", lora=16, memory=["24GiB", "80GiB"])
     print(report.table())
 
-How. The model is built from its configuration with random weights at one and at two layers, and its training
+How. The model is built from its configuration with random weights at two and at three layers, and its training
 step (one row of tokens: forward with the loss, backward) is measured on this machine at two lengths for each
 method. The step's peak above what is live before it is a bilinear function of the layers and the tokens (the
 layer inputs the backward needs grow with both, one layer's working set and the head's with the tokens): the
@@ -47,6 +47,12 @@ from fastckpt.planner.budgets import format_bytes, total_bytes
 from fastckpt.policies import Policy
 
 _NAME = "fastckpt.fits"
+# The two depths measured. At one layer the only layer is also the last, whose backward starts beside what the
+# loss's backward leaves (the gradient into it, its dequantized input): Llama-3.2-1B LoRA under recompute+int8 at
+# 4,096 tokens (fp32) peaked at 687, 727 and 735 MiB at 1, 2 and 3 layers, so 1 -> 2 layers carried 40 MiB a layer
+# to the model's depth where each layer adds 8 (its stored input). An offload policy's backward also holds the
+# layer it runs and the one it prefetches: from two layers on each layer adds what it keeps on the device.
+DEPTHS = (2, 3)
 HF_GC = "HF GC"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAM_STATE_BYTES = 8  # AdamW's two fp32 tensors per trained element
@@ -401,8 +407,7 @@ def what_fits(
         dtype: the frozen weights' dtype under LoRA, "bf16" or "fp32" (what is counted live before the step).
         compute: "bf16" (autocast) or "fp32" (the steps measured on an fp32 model); default bf16 where it is
             native (a GPU, a CPU with AMX), else fp32.
-        lengths, layers: the two lengths and the two depths measured (default 1 and 2 layers, 2 and 3 for an
-            offload policy, whose backward prefetches the layer before the one it runs); by default
+        lengths, layers: the two lengths and the two depths measured (default 2 and 3: see DEPTHS); by default
             (`default_lengths`) the lengths are long enough that the loss head's chunk and the MLP's tile stop
             growing with them, per method: from two shorter lengths the line would carry the growth of a
             whole-length chunk or tile. An offload policy's host copies are counted apart (host memory on a
@@ -415,9 +420,8 @@ def what_fits(
     if not memories:
         raise ValueError(f"{_NAME}: `memory` names no size")
     config = load_config(model)
-    # An offload policy's backward holds the layer it runs and the one it prefetches: from two layers on, each
-    # layer more adds what it keeps on the device, not its inputs (those are on the host).
-    layers = layers or ((2, 3) if Policy.parse(policy).offload else (1, 2))
+    Policy.parse(policy)  # a bad policy fails here, not after minutes of measuring
+    layers = layers or (DEPTHS if config.num_hidden_layers >= DEPTHS[1] else (1, 2))
     _check(lora, dtype, compute, lengths, layers, batch_at, verify)
     dev = torch.device(device)
     compute = compute or ("bf16" if native_bf16(dev) else "fp32")
@@ -522,7 +526,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="LoRA's frozen weights")
     parser.add_argument("--compute", default=None, choices=["bf16", "fp32"], help="default: bf16 where native")
     parser.add_argument("--lengths", default=None, help="the two lengths measured (default: past the head's chunk)")
-    parser.add_argument("--layers", default=None, help="the two depths measured (default 1,2; 2,3 offloading)")
+    parser.add_argument("--layers", default=None, help="the two depths measured (default 2,3)")
     parser.add_argument("--batch-at", type=int, default=None, help="also the largest batch of rows this long")
     parser.add_argument("--verify", type=int, default=None, help="run the step at this length to check the line")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
