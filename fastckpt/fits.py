@@ -122,6 +122,7 @@ class Method:
     resident: int  # bytes live before the step at the model's depth (weights, optimizer state)
     optimizer_step: int  # bytes the optimizer's step holds at its peak (gradients and temporaries), 0 for LoRA
     host: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # offloaded bytes in host memory
+    policy: str | None = None  # fastckpt's policy; None: HF GC
 
     @property
     def lengths(self) -> tuple[int, int]:
@@ -211,12 +212,12 @@ class Report:
                 at = ", ".join(f"{format_bytes(int(host.at(n)))} at {n:,} tokens" for n in longest[method.name] if n)
                 lines.append(f"{method.name} offloads to host memory {format_bytes(int(host.per_token * 1024))} per "
                              f"1K tokens: {at or 'nothing fits'} (host memory, not the device's)")  # fmt: skip
-        if len(self.methods) == 2 and self.methods[0].name == HF_GC:
-            pairs = zip(self.memories, longest[self.methods[1].name], longest[HF_GC], strict=True)
+        for method in self.methods:
+            pairs = zip(self.memories, longest[method.name], longest.get(HF_GC, []), strict=False)
             ratios = [f"{ours / theirs:.1f}x in {format_bytes(memory)}" for memory, ours, theirs in pairs
                       if ours and theirs]  # fmt: skip
-            if ratios:
-                lines.append(f"longest sequence, {self.methods[1].name} / {HF_GC}: {', '.join(ratios)}")
+            if ratios and method.name != HF_GC:
+                lines.append(f"longest sequence, {method.name} / {HF_GC}: {', '.join(ratios)}")
         for name, (tokens, measured, predicted) in self.verified.items():
             lines.append(f"verified: {name} at {self.layers[1]} layers x {tokens:,} tokens: step peak measured "
                          f"{format_bytes(measured)}, predicted {format_bytes(predicted)} "
@@ -334,8 +335,8 @@ def _step(model: Any, tokens: int, vocab: int, device: torch.device, autocast: b
     return step
 
 
-def _prepare(method: str, model: Any, policy: str) -> None:
-    if method == HF_GC:
+def _prepare(model: Any, policy: str | None) -> None:  # policy None: HF GC
+    if policy is None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         from fastckpt.integrations import hf
@@ -344,13 +345,13 @@ def _prepare(method: str, model: Any, policy: str) -> None:
         hf.enable(model, policy=policy, loss_head=True, padded_attention=padded)
 
 
-def measure_steps(config: Any, method: str, policy: str, lora: int | None, dtype: torch.dtype, layers: int,
+def measure_steps(config: Any, policy: str | None, lora: int | None, dtype: torch.dtype, layers: int,
                   lengths: Sequence[int], device: torch.device,
                   autocast: bool) -> dict[int, tuple[int, int]]:  # fmt: skip
     """Per length, the step's peak above what was live before it and the host bytes its offloaded tensors took:
-    `method` on the model at `layers`, one row."""
+    fastckpt's `policy` (None: HF GC) on the model at `layers`, one row."""
     model = build(at_depth(config, layers), lora, dtype, device)
-    _prepare(method, model, policy)
+    _prepare(model, policy)
     peaks = {}
     for tokens in lengths:
         step = _step(model, tokens, config.vocab_size, device, autocast)
@@ -387,7 +388,7 @@ def what_fits(
     *,
     lora: int | None = 16,
     memory: Sequence[str | int] | str | int = ("24GiB", "80GiB"),
-    policy: str = "recompute+int8",
+    policy: str | Sequence[str] = "recompute+int8",
     dtype: str = "bf16",
     compute: str | None = None,
     lengths: tuple[int, int] | None = None,
@@ -399,7 +400,8 @@ def what_fits(
 ) -> Report:
     """The longest sequence (and the largest batch at `batch_at` tokens) that fits each `memory` size, under HF
     gradient checkpointing and under fastckpt's `policy` (`hf.enable(model, policy, loss_head=True,
-    padded_attention=True)`), for the model at `model` (a name in SHAPES, a config.json path, or a dict).
+    padded_attention=True)`; several policies: a row each), for the model at `model` (a name in SHAPES, a
+    config.json path, or a dict).
 
     Args:
         lora: LoRA rank on the attention and MLP projections (the frozen weights in `dtype`); None: a full
@@ -420,7 +422,9 @@ def what_fits(
     if not memories:
         raise ValueError(f"{_NAME}: `memory` names no size")
     config = load_config(model)
-    Policy.parse(policy)  # a bad policy fails here, not after minutes of measuring
+    policies = [policy] if isinstance(policy, str) else list(policy)
+    for each in policies:
+        Policy.parse(each)  # a bad policy fails here, not after minutes of measuring
     layers = layers or (DEPTHS if config.num_hidden_layers >= DEPTHS[1] else (1, 2))
     _check(lora, dtype, compute, lengths, layers, batch_at, verify)
     dev = torch.device(device)
@@ -432,15 +436,15 @@ def what_fits(
     # a full fine-tune's AdamW (foreach) step: every gradient and as many bytes of temporaries
     optimizer_step = 0 if lora else 2 * trained_bytes
     methods = []
-    for name in (HF_GC, f"fastckpt {policy}"):
-        at = lengths or default_lengths(config, tiled=name != HF_GC)
+    for name, each in [(HF_GC, None), *((f"fastckpt {each}", each) for each in policies)]:
+        at = lengths or default_lengths(config, tiled=each is not None)
         measured, host = {}, {}
         for depth in layers:
             log(f"{_NAME}: {name} at {depth} layer(s), {at[0]:,} and {at[1]:,} tokens ({compute})")
-            steps = measure_steps(config, name, policy, lora, measured_dtype, depth, at, dev, compute == "bf16")
+            steps = measure_steps(config, each, lora, measured_dtype, depth, at, dev, compute == "bf16")
             measured.update({(depth, tokens): peak for tokens, (peak, _) in steps.items()})
             host.update({(depth, tokens): offloaded for tokens, (_, offloaded) in steps.items()})
-        methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step, host))
+        methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step, host, each))
     label = model if isinstance(model, str) else config.model_type
     what = f"LoRA r={lora}, frozen weights {dtype}" if lora else "full fine-tune, fp32 weights"
     description = (f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
@@ -456,7 +460,7 @@ def what_fits(
                 continue
             log(f"{_NAME}: {method.name} at {layers[1]} layers, {verify:,} tokens (the check)")
             ((measured, _),) = measure_steps(
-                config, method.name, policy, lora, measured_dtype, layers[1], [verify], dev, compute == "bf16"
+                config, method.policy, lora, measured_dtype, layers[1], [verify], dev, compute == "bf16"
             ).values()
             report.verified[method.name] = (verify, measured, predicted)
     return report
@@ -522,7 +526,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
     kind.add_argument("--lora", type=int, default=16, help="LoRA rank (default 16)")
     kind.add_argument("--full", action="store_true", help="a full fine-tune instead of LoRA")
     parser.add_argument("--memory", default="24GiB,80GiB", help="memory sizes, comma-separated (default 24GiB,80GiB)")
-    parser.add_argument("--policy", default="recompute+int8", help="fastckpt's policy (default recompute+int8)")
+    parser.add_argument("--policy", default="recompute+int8",
+                        help="fastckpt's policy, or several comma-separated (default recompute+int8)")
     parser.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="LoRA's frozen weights")
     parser.add_argument("--compute", default=None, choices=["bf16", "fp32"], help="default: bf16 where native")
     parser.add_argument("--lengths", default=None, help="the two lengths measured (default: past the head's chunk)")
@@ -532,7 +537,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     report = what_fits(
-        args.model, lora=None if args.full else args.lora, memory=args.memory.split(","), policy=args.policy,
+        args.model, lora=None if args.full else args.lora, memory=args.memory.split(","), policy=args.policy.split(","),
         dtype=args.dtype, compute=args.compute, lengths=args.lengths and _pair(args.lengths, "--lengths"),
         layers=args.layers and _pair(args.layers, "--layers"), batch_at=args.batch_at, verify=args.verify,
         device=args.device,
