@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import fastckpt  # noqa: E402
 from fastckpt.integrations import hf  # noqa: E402
-from fastckpt.integrations.hf import planning  # noqa: E402
+from fastckpt.integrations.hf import planning, state  # noqa: E402
 from tests.helpers import trainer_step_peaks  # noqa: E402
 from tests.integrations.test_hf import LAYERS, VOCAB, batch, tiny_llama  # noqa: E402
 
@@ -153,7 +153,7 @@ def test_the_same_elements_in_longer_rows_plan_again_and_alternating_shapes_swap
     assert "planning again" not in caplog.text
     step(model, full)  # 2 x 24 covers both earlier shapes: one plan is left
     third = hf.planned(model)
-    assert model.__dict__[planning._FirstBatchPlan.PLANS] == [(planning._FirstBatchPlan._shapes(full), third)]
+    assert state.read(model).plans == [(planning._FirstBatchPlan._shapes(full), third)]
     for smaller in (wide, long):
         step(model, smaller)
         assert hf.planned(model) is third
@@ -362,21 +362,21 @@ def test_the_loss_head_chunk_is_a_plan_choice():
         plan = fastckpt.Plan(measurements, layers, predicted, predicted, 0.0, tail=tail)
         plan.apply()
         try:
-            assert model.__dict__["_fastckpt_loss_chunk"] == chunk
+            assert state.read(model).loss_chunk == chunk
             peaks.append(fastckpt.memory.peak_bytes(measurements.step))
         finally:
             plan.remove()
-        assert "_fastckpt_loss_chunk" not in model.__dict__
+        assert state.read(model).loss_chunk is None
         assert peaks[-1] == predicted  # exact on CPU
     assert peaks[-1] > peaks[0]  # the largest chunk's logits are the step's peak
     plan = measurements.plan(peaks[-1] - 1)
     assert plan.tail is not None and int(plan.tail.name.split()[2]) < 512
     assert plan.measured_peak <= peaks[-1] - 1 and plan.tail.name in plan.table()
     plan.apply()
-    assert model.__dict__["_fastckpt_loss_chunk"] == int(plan.tail.name.split()[2])
+    assert state.read(model).loss_chunk == int(plan.tail.name.split()[2])
     torch.testing.assert_close(loss_of(model), expected, rtol=1e-3, atol=0)  # chunks change summation order only
     plan.remove()
-    assert "_fastckpt_loss_chunk" not in model.__dict__
+    assert state.read(model).loss_chunk is None
 
 
 def test_without_the_loss_head_there_is_no_tail_choice():
@@ -391,7 +391,7 @@ def test_a_budget_with_the_loss_head_plans_its_chunk_on_the_first_batch():
     loss_of(model)
     plan = hf.planned(model)
     assert plan is not None and plan.tail is not None
-    assert model.__dict__["_fastckpt_loss_chunk"] == int(plan.tail.name.split()[2])
+    assert state.read(model).loss_chunk == int(plan.tail.name.split()[2])
 
 
 @pytest.mark.parametrize("tuning", ["full", "lora"])

@@ -36,9 +36,9 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from fastckpt import _compat
+from fastckpt.integrations.hf import state
 
 NAME = "fastckpt_sdpa"
-_RECOGNISED = "_fastckpt_padded_rows"  # (mask._version, padded_rows' verdict), set on the mask tensor
 _CHECK_ELEMENTS = 1 << 22  # mask elements compared at a time while recognising (bounds the check's memory)
 # Rows of different lengths shorter than this run as one masked call (HF's, on the mask computed for it): on
 # CPU (2 cores, bf16, attention forward and backward) 16 rows of 256 took 21 ms so, 35 ms in two calls, 101 ms
@@ -342,11 +342,11 @@ def padded_rows(mask: Any, batch: int, tokens: int) -> tuple[tuple[int, int], ..
     """Per batch row (one entry when the mask broadcasts over the batch), (first real token, end of the real
     tokens), when `mask` is a boolean [batch or 1, 1, tokens, tokens] mask that is exactly causal over each
     row's real tokens, one block of at least one per row (padding on either side); None otherwise. The
-    verdict is cached on the mask (all layers share it, recomputations pass it again) and recomputed when the
+    verdict is kept beside the mask (all layers share it, recomputations pass it again) and recomputed when the
     mask is changed in place."""
     if not _square_bool(mask, tokens) or mask.shape[0] not in (1, batch):
         return None
-    cached = mask.__dict__.get(_RECOGNISED)
+    cached = state.mask_forms.get(mask)
     if cached is not None and cached[0] == mask._version:
         return cached[1]
     mask_rows = mask[:, 0]
@@ -359,7 +359,7 @@ def padded_rows(mask: Any, batch: int, tokens: int) -> tuple[tuple[int, int], ..
     start, end = _per_row(first, mask.device), _per_row(first + lengths, mask.device)
     found = found and _equal_by_blocks(mask_rows, lambda q: _sees(q[:, None], positions[None, :], start, end), tokens)
     result = tuple(zip(first.tolist(), (first + lengths).tolist(), strict=True)) if found else None
-    mask.__dict__[_RECOGNISED] = (mask._version, result)
+    state.mask_forms[mask] = (mask._version, result)
     return result
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fastckpt.api import checkpoint
-from fastckpt.integrations.hf import attention, trl_head
+from fastckpt.integrations.hf import attention, state, trl_head
 from fastckpt.integrations.hf.adapters import _AdapterInputCasts
 from fastckpt.integrations.hf.loss_head import _LossHead
 from fastckpt.integrations.hf.planning import _FirstBatchPlan
@@ -102,7 +102,7 @@ def _enable_through_fastckpt(
 ) -> None:
     """Stands in for the model's own `activation_checkpointing_enable`: HF selects the layers, fastckpt
     checkpoints them."""
-    settings = model._fastckpt_settings
+    settings = state.of(model).settings
     function = _checkpoint_function(settings, activation_checkpointing_kwargs, offload)
     hf_kwargs = activation_checkpointing_kwargs or {}
     budget = hf_kwargs.get("budget", settings.budget)
@@ -230,7 +230,7 @@ def enable(
         attention.install(pretrained)
     else:
         attention.remove(pretrained)
-    pretrained._fastckpt_settings = settings
+    state.of(pretrained).settings = settings
     # An instance attribute shadows the class's method, so Trainer's later call (and the deprecated
     # gradient_checkpointing_enable, which forwards to it) lands here too. A bound method, not a
     # closure, so that copy.deepcopy binds the copy's to the copy.
@@ -267,7 +267,7 @@ def disable(model: Any) -> Any:
     _TiledMLP.remove(pretrained)
     _StepInBackward.remove(pretrained)
     pretrained.__dict__.pop("activation_checkpointing_enable", None)
-    pretrained.__dict__.pop("_fastckpt_settings", None)
+    state.forget(pretrained)
     pretrained.activation_checkpointing_disable()
     return model
 
@@ -275,7 +275,7 @@ def disable(model: Any) -> Any:
 def is_enabled(model: Any) -> bool:
     """True when some layer of `model` is checkpointed through fastckpt (by enable, or by a plan applied)."""
     pretrained = _pretrained_model(model)
-    return pretrained.__dict__.get(_FirstBatchPlan.PLAN) is not None or any(
+    return state.read(pretrained).plan is not None or any(
         getattr(module, "gradient_checkpointing", False)
         and getattr(getattr(module, "_gradient_checkpointing_func", None), "func", None) is checkpoint
         for module in pretrained.modules()

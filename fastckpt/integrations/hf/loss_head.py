@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fastckpt import _compat
+from fastckpt.integrations.hf import state
 from fastckpt.integrations.hf.families import _HEAD_POSTPROCESSING
 from fastckpt.integrations.hf.pretrained import _pretrained_model
 from fastckpt.loss import default_chunk_size, linear_cross_entropy
@@ -27,7 +28,7 @@ if TYPE_CHECKING:
 
 def loss_head_enabled(model: Any) -> bool:
     """True when `model`'s training loss goes through fastckpt.linear_cross_entropy (`enable(loss_head=True)`)."""
-    return bool(_pretrained_model(model).__dict__.get(_LossHead.ON, False))
+    return state.read(_pretrained_model(model)).loss_head
 
 
 def _tensor_parallel(model: torch.nn.Module, head: torch.nn.Module) -> bool:
@@ -58,7 +59,7 @@ def _wraps_loss_head(function: Any) -> bool:
     for _ in range(32):
         if function is None:
             return False
-        if getattr(function, "_fastckpt_loss_head", False):
+        if _LossHead.is_ours(function):
             return True
         function = getattr(function, "__func__", None) or getattr(function, "__wrapped__", None)
     return False
@@ -171,12 +172,12 @@ class _LossHead:
     (the base model, `logits_to_keep`, MoE auxiliary losses added to the loss) is the model's own code.
     """
 
-    ON = "_fastckpt_loss_head"
-    INNER = "_fastckpt_inner_forward"  # an instance-level forward found at install time (e.g. accelerate's)
-    CHUNK = "_fastckpt_loss_chunk"  # tokens per chunk a plan chose (absent: linear_cross_entropy's default)
-    RECORD = "_fastckpt_loss_record"  # while set (a list): each loss call's inputs are appended to it
     CHUNK_FACTORS = (0.25, 0.5, 1, 2, 4, 8)  # the chunk sizes a plan may choose, times the default
-    _forwards: dict[type, Callable[..., Any]] = {}
+    _forwards: dict[type, Callable[..., Any]] = {}  # per model class, the forward installed on its instances
+
+    @classmethod
+    def is_ours(cls, function: Any) -> bool:
+        return any(function is forward for forward in cls._forwards.values())
 
     @staticmethod
     def unsupported(model: torch.nn.Module) -> str | None:
@@ -219,21 +220,24 @@ class _LossHead:
 
     @classmethod
     def install(cls, model: torch.nn.Module) -> None:
-        model.__dict__[cls.ON] = True
+        kept = state.of(model)
+        kept.loss_head = True
         current = model.__dict__.get("forward")
         if current is not None and _wraps_loss_head(current):
             return  # installed already (possibly inside a wrapper installed since, e.g. accelerate's autocast)
         if current is not None:
-            model.__dict__[cls.INNER] = current
+            kept.inner_forward = current
         model.forward = types.MethodType(cls._forward_of(type(model)), model)
 
     @classmethod
     def remove(cls, model: torch.nn.Module) -> None:
-        if not model.__dict__.pop(cls.ON, False):
+        kept = state.read(model)
+        if not kept.loss_head:
             return
+        kept.loss_head = False
         current = model.__dict__.get("forward")
-        if getattr(current, "_fastckpt_loss_head", False):  # ours on top: put back what was there
-            inner = model.__dict__.pop(cls.INNER, None)
+        if cls.is_ours(getattr(current, "__func__", None)):  # ours on top: put back what was there
+            inner, kept.inner_forward = kept.inner_forward, None
             if inner is None:
                 del model.__dict__["forward"]
             else:
@@ -249,18 +253,19 @@ class _LossHead:
 
             @functools.wraps(class_forward)
             def forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
-                inner = self.__dict__.get(cls.INNER) or types.MethodType(class_forward, self)
+                kept = state.read(self)
+                inner = kept.inner_forward or types.MethodType(class_forward, self)
                 labels = kwargs.get("labels")
                 if labels is None and labels_at is not None and len(args) > labels_at:
                     labels = args[labels_at]
                 # TRL's fused-head calls (fused_lm_head=True) go to TRL's forward below: trl_head.py serves them
                 fused = kwargs.get("fused_lm_head", False)
-                if labels is None or fused or not self.__dict__.get(cls.ON) or not torch.is_grad_enabled():
+                if labels is None or fused or not kept.loss_head or not torch.is_grad_enabled():
                     return inner(*args, **kwargs)
                 reason = cls.unsupported(self)
                 if reason is not None:
-                    if not self.__dict__.get("_fastckpt_loss_head_warned"):
-                        self.__dict__["_fastckpt_loss_head_warned"] = True
+                    if not kept.loss_head_warned:
+                        kept.loss_head_warned = True
                         warnings.warn(
                             f"fastckpt.integrations.hf: loss_head falls back to HF's loss (full logits): {reason}",
                             stacklevel=2,
@@ -268,7 +273,6 @@ class _LossHead:
                     return inner(*args, **kwargs)
                 return cls(self).run(inner, args, kwargs)
 
-            forward._fastckpt_loss_head = True
             cls._forwards[model_class] = forward
         return cls._forwards[model_class]
 
@@ -318,7 +322,7 @@ class _LossHead:
         head = self.model.lm_head
         if self.pending is not None:
             (targets, options), self.pending = self.pending, None
-            chunk_size = self.model.__dict__.get(self.CHUNK)
+            chunk_size = state.read(self.model).loss_chunk
             loss = linear_cross_entropy(args[0], head.weight, targets, bias=head.bias, chunk_size=chunk_size, **options)
             if self.tied is not None:
                 self.tied.keep_head_gradient_of(loss)
@@ -396,7 +400,7 @@ class _LossHead:
                 f"{targets.numel()} labels (logits_to_keep keeps positions, the labels must match them)"
             )
         options.update(ignore_index=ignore_index, num_items_in_batch=num_items_in_batch)
-        record = model.__dict__.get(self.RECORD)
+        record = state.read(model).loss_record
         if record is not None:
             record.append((hidden.detach(), hidden.requires_grad, targets, {**options, "bias": head.bias}))
         # Through lm_head's own call: what gathers its parameters around its forward and backward (DeepSpeed
@@ -412,11 +416,12 @@ class _LossHead:
         the head's inputs, then the head alone (forward and backward, under `autocast` as the step) runs at each
         chunk size for its peak and median time (`repeats` timed runs, interleaved), relative to the chunk the
         measured steps used."""
-        record = pretrained.__dict__[cls.RECORD] = []
+        kept = state.of(pretrained)
+        record = kept.loss_record = []
         try:
             step_forward()
         finally:
-            del pretrained.__dict__[cls.RECORD]
+            kept.loss_record = None
         if len(record) != 1:
             return []  # no loss through the head (or several): nothing to choose
         hidden, needs_grad, targets, options = record[0]
@@ -440,7 +445,7 @@ class _LossHead:
         from fastckpt.planner.model import TailOption
 
         tokens = hidden.shape[0]
-        measured = pretrained.__dict__.get(cls.CHUNK) or default_chunk_size(*weight.shape, weight.requires_grad)
+        measured = kept.loss_chunk or default_chunk_size(*weight.shape, weight.requires_grad)
         default = default_chunk_size(*weight.shape, weight.requires_grad)
         chunks = sorted({min(tokens, max(1, round(default * f))) for f in cls.CHUNK_FACTORS} | {min(tokens, measured)})
         grads = [(p, p.grad) for p in trained]
@@ -460,14 +465,11 @@ class _LossHead:
                 p.grad = grad
         seconds = {chunk: statistics.median(times) for chunk, times in samples.items()}
         reference = min(tokens, measured)
-        before = pretrained.__dict__.get(cls.CHUNK)
+        before = kept.loss_chunk
 
         def setter(chunk: int | None) -> Callable[[], None]:
             def put() -> None:
-                if chunk is None:
-                    pretrained.__dict__.pop(cls.CHUNK, None)
-                else:
-                    pretrained.__dict__[cls.CHUNK] = chunk
+                state.of(pretrained).loss_chunk = chunk
 
             return put
 

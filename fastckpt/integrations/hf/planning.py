@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from fastckpt.integrations.hf import state
 from fastckpt.integrations.hf.loss_head import _LossHead, loss_head_enabled
 from fastckpt.integrations.hf.pretrained import _pretrained_model
 from fastckpt.integrations.hf.trainer import _StepInBackward, find_optimizer
@@ -112,7 +113,7 @@ def _takes_use_cache(model_class: type) -> bool:
 def planned(model: Any) -> Any:
     """The plan `enable(model, budget=...)` applied on the first training batch (a fastckpt.planner.Plan), or None
     before that batch or without a budget."""
-    return _pretrained_model(model).__dict__.get(_FirstBatchPlan.PLAN)
+    return state.read(_pretrained_model(model)).plan
 
 
 # enable(budget=)'s default max_error: on bf16 LLM fine-tunes the int8 forms' gradients differ from the plain
@@ -132,11 +133,6 @@ class _FirstBatchPlan:
     plan predicted, so it plans again, on its own arguments, before it runs (under torch.distributed it warns
     instead); see `_cover`."""
 
-    PLAN = "_fastckpt_plan"  # the applied Plan, on the PreTrainedModel
-    PLANS = "_fastckpt_plans"  # every plan kept: [(the planned call's tensor shapes by name, Plan)]
-    HOOK = "_fastckpt_plan_hook"  # the hook's handle, likewise
-    PLANNING = "_fastckpt_planning"  # set while the planning steps run
-
     @staticmethod
     def check(budget: Any, plan_options: Any) -> None:
         from fastckpt.planner.budgets import check_budget
@@ -155,16 +151,16 @@ class _FirstBatchPlan:
     def install(cls, pretrained: torch.nn.Module, outer: torch.nn.Module, budget: Any, options: dict) -> None:
         # The hook closes over no model: a deep copy of the model plans itself.
         hook = functools.partial(cls._training_forward, budget, {"max_error": PLAN_MAX_ERROR, **options})
-        pretrained.__dict__[cls.HOOK] = outer.register_forward_pre_hook(hook, with_kwargs=True)
+        state.of(pretrained).plan_hook = outer.register_forward_pre_hook(hook, with_kwargs=True)
 
     @classmethod
     def remove(cls, pretrained: torch.nn.Module) -> None:
         """Remove the hook and take off an applied plan."""
-        handle = pretrained.__dict__.pop(cls.HOOK, None)
+        kept = state.read(pretrained)
+        handle, plan = kept.plan_hook, kept.plan
+        kept.plan_hook, kept.plans, kept.plan = None, [], None
         if handle is not None:
             handle.remove()
-        pretrained.__dict__.pop(cls.PLANS, None)
-        plan = pretrained.__dict__.pop(cls.PLAN, None)
         if plan is not None and plan.applied:
             plan.remove()
 
@@ -175,10 +171,11 @@ class _FirstBatchPlan:
         if not (module.training and torch.is_grad_enabled()):
             return None
         pretrained = _pretrained_model(module)
-        if pretrained.__dict__.get(cls.PLANNING):
+        kept = state.of(pretrained)
+        if kept.planning:
             return None  # one of the planning steps (hf.measure passes use_cache=False itself)
         batch = _forward_arguments(module, args, kwargs)
-        if pretrained.__dict__.get(cls.PLAN) is None:
+        if kept.plan is None:
             cls._plan(budget, options, module, pretrained, batch)
         else:
             cls._cover(budget, options, module, pretrained, batch)
@@ -195,7 +192,8 @@ class _FirstBatchPlan:
         on shapes neither covers (a short last batch of longer rows) are kept, so alternating shapes swap plans
         instead of planning again; a plan whose shape a newer one covers is dropped."""
         shapes = cls._shapes(batch)
-        current, plans = pretrained.__dict__[cls.PLAN], pretrained.__dict__[cls.PLANS]
+        kept = state.of(pretrained)
+        current, plans = kept.plan, kept.plans
         covering = [(planned, plan) for planned, plan in plans if _covers(planned, shapes)]
         if any(plan is current for _, plan in covering):
             return
@@ -203,7 +201,7 @@ class _FirstBatchPlan:
             _, plan = min(covering, key=lambda entry: sum(map(math.prod, entry[0].values())))
             current.remove()
             plan.apply()
-            pretrained.__dict__[cls.PLAN] = plan
+            kept.plan = plan
             return
         index = next(i for i, (_, plan) in enumerate(plans) if plan is current)
         planned = plans[index][0]
@@ -262,7 +260,8 @@ class _FirstBatchPlan:
         options = cls._with_optimizer(budget, options, module, pretrained)
         # The step after planning computes what it would have: the planner's runs leave the gradients as they
         # found them (fastckpt.planner.iteration) and the RNG state is forked.
-        pretrained.__dict__[cls.PLANNING] = True
+        kept = state.of(pretrained)
+        kept.planning = True
         try:
             with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
                 try:
@@ -273,14 +272,11 @@ class _FirstBatchPlan:
                         raise
                     plan = cls._plan_in_backward(budget, options, module, pretrained, batch, autocast, stepping)
         finally:
-            del pretrained.__dict__[cls.PLANNING]
+            kept.planning = False
         plan.apply()
         shapes = cls._shapes(batch)
-        kept = [
-            (planned, old) for planned, old in pretrained.__dict__.get(cls.PLANS, []) if not _covers(shapes, planned)
-        ]
-        pretrained.__dict__[cls.PLANS] = [*kept, (shapes, plan)]
-        pretrained.__dict__[cls.PLAN] = plan
+        others = [(planned, old) for planned, old in kept.plans if not _covers(shapes, planned)]
+        kept.plans, kept.plan = [*others, (shapes, plan)], plan
         _logger.info("fastckpt.integrations.hf: planned for budget %r:\n%s", budget, plan.table())
 
     @staticmethod

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from fastckpt.integrations.hf import state
+
 
 def _live(cls: type) -> list[Any]:
     """Every live instance of `cls` (unreachable ones collected first, so an earlier run's do not count)."""
@@ -85,45 +87,47 @@ class _StepInBackward:
     pass) and its `clip_grad_norm_` (Trainer's clipping and its logged `grad_norm`, over gradients that no longer
     exist as `.grad`). fp16 (a GradScaler) and DeepSpeed are refused."""
 
-    KEY = "_fastckpt_step_in_backward"  # on the PreTrainedModel: {"hook": enable's hook} and the attached state
-
     @classmethod
     def install(cls, pretrained: torch.nn.Module, outer: torch.nn.Module) -> None:
         cls.remove(pretrained)
-        pretrained.__dict__[cls.KEY] = {"hook": outer.register_forward_pre_hook(cls._training_forward)}
+        state.of(pretrained).step_in_backward = {"hook": outer.register_forward_pre_hook(cls._training_forward)}
 
     @classmethod
     def remove(cls, pretrained: torch.nn.Module) -> None:
-        state = pretrained.__dict__.pop(cls.KEY, None)
-        if state is None:
+        kept = state.read(pretrained).step_in_backward
+        if kept is None:
             return
-        if "hook" in state:
-            state["hook"].remove()
-        if "handle" in state:
-            cls._detach(state)
+        state.of(pretrained).step_in_backward = None
+        if "hook" in kept:
+            kept["hook"].remove()
+        if "handle" in kept:
+            cls._detach(kept)
 
     @classmethod
     def requested(cls, pretrained: torch.nn.Module) -> bool:
         """Whether enable(optimizer_in_backward=True) asked for it (or a plan attached it)."""
-        return cls.KEY in pretrained.__dict__
+        return state.read(pretrained).step_in_backward is not None
 
     @classmethod
     def wrapper(cls, pretrained: torch.nn.Module) -> Any:
         """The OptimizerInBackward stepping the model's Trainer's optimizer, or None before the first batch."""
-        return pretrained.__dict__.get(cls.KEY, {}).get("handle")
+        return (state.read(pretrained).step_in_backward or {}).get("handle")
 
     @classmethod
     def attach(cls, pretrained: torch.nn.Module, module: torch.nn.Module) -> Any:
         """The OptimizerInBackward stepping the optimizer of the Trainer training `module`, attached now if it is
         not yet (a plan that only fits with it attaches it too), or None where no Trainer with an optimizer
         trains the model."""
-        state = pretrained.__dict__.setdefault(cls.KEY, {})
-        if "handle" not in state:
+        model_state = state.of(pretrained)
+        if model_state.step_in_backward is None:
+            model_state.step_in_backward = {}
+        kept = model_state.step_in_backward
+        if "handle" not in kept:
             trainer = find_trainer(module)
             if trainer is None or getattr(trainer, "optimizer", None) is None:
                 return None
-            state.update(cls._attach(trainer))
-        return state["handle"]
+            kept.update(cls._attach(trainer))
+        return kept["handle"]
 
     @classmethod
     def _training_forward(cls, module: torch.nn.Module, args: tuple) -> None:
@@ -175,12 +179,12 @@ class _StepInBackward:
         return {"handle": handle, "owner": owner, "inner": inner, "accelerator": accelerator}
 
     @staticmethod
-    def _detach(state: dict[str, Any]) -> None:
-        state["handle"].remove()
-        if state["owner"].optimizer is state["handle"]:
-            state["owner"].optimizer = state["inner"]
+    def _detach(attached: dict[str, Any]) -> None:
+        attached["handle"].remove()
+        if attached["owner"].optimizer is attached["handle"]:
+            attached["owner"].optimizer = attached["inner"]
         for name in ("backward", "clip_grad_norm_"):
-            state["accelerator"].__dict__.pop(name, None)
+            attached["accelerator"].__dict__.pop(name, None)
 
 
 def _clip_grad_norm(handle: Any, parameters: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

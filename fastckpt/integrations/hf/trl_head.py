@@ -31,16 +31,14 @@ from typing import Any
 
 import torch
 
-from fastckpt.integrations.hf.loss_head import _LossHead, _tied_embedding, _TiedGradient, loss_head_enabled
+from fastckpt.integrations.hf import state
+from fastckpt.integrations.hf.loss_head import _tied_embedding, _TiedGradient, loss_head_enabled
 from fastckpt.log_probs import linear_log_probs
 
 _LOG = logging.getLogger("fastckpt")
 _TRL_UTILS = "trl.trainer.utils"
 _KERNEL = "_ChunkedLogProbFunction"  # the name TRL's patched forward calls `.apply` on
 _FUSED_FORWARD = "_fused_forward"  # inside add_fused_lm_head
-_SAID = "_fastckpt_trl_said"
-_SAID_MIXED = "_fastckpt_trl_said_mixed"
-_TIED = "_fastckpt_trl_tied"  # this call's _TiedGradient, from the backbone's pre-hook to the kernel
 _served: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the PreTrainedModels whose head fastckpt serves
 
 
@@ -48,7 +46,7 @@ def trl_forward(model: torch.nn.Module) -> Any:
     """TRL's fused-head forward installed on `model`, else None; found under wrappers installed since (fastckpt's
     loss head, accelerate's fp32 output conversion) through `__func__` / `__wrapped__` and the loss head's inner
     forward."""
-    for forward in (model.__dict__.get("forward"), model.__dict__.get(_LossHead.INNER)):
+    for forward in (model.__dict__.get("forward"), state.read(model).inner_forward):
         for _ in range(32):
             if forward is None:
                 break
@@ -89,7 +87,7 @@ class _ServedKernel:
             # its size again.
             _left_to_trl(
                 model,
-                _SAID_MIXED,
+                "trl_said_mixed",
                 f"TRL's fused LM head on {type(model).__name__} gets {hidden.dtype} hidden states for a {weight.dtype} "
                 "head outside autocast (cast_lm_head_to_fp32=True)",
             )
@@ -109,10 +107,11 @@ class _ServedKernel:
             temperature=temperature,
             softcap=final_logit_softcapping,
             logit_scale=logit_scale,
-            chunk_size=model.__dict__.get(_LossHead.CHUNK),
+            chunk_size=state.read(model).loss_chunk,
             outputs=tuple(outputs),
         )
-        tied = model.__dict__.pop(_TIED, None)
+        kept = state.read(model)
+        tied, kept.trl_tied = kept.trl_tied, None
         if tied is not None:
             tied.keep_head_gradient_of(per_token.log_probs)
         if rows is None:
@@ -151,14 +150,14 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
     if _KERNEL not in forward.__code__.co_names or utils is None or not hasattr(utils, _KERNEL):
         _left_to_trl(
             model,
-            _SAID,
+            "trl_said",
             f"TRL's fused LM head on {type(model).__name__} does not call {_TRL_UTILS}.{_KERNEL} in this TRL release",
         )
         return
     if _is_dtensor(model.get_output_embeddings().weight):
         _left_to_trl(
             model,
-            _SAID,
+            "trl_said",
             f"{type(model).__name__}.lm_head's weight is a DTensor (FSDP2, tensor parallel), which TRL gathers into a "
             "new tensor for its head",
         )
@@ -166,7 +165,7 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
     _served.add(model)
     embedding = _tied_embedding(model, model.get_output_embeddings())
     if embedding is not None and torch.is_grad_enabled():  # a trained tied head: see _TiedGradient
-        tied = model.__dict__[_TIED] = _TiedGradient(embedding)
+        tied = state.of(model).trl_tied = _TiedGradient(embedding)
         tied.begin()
 
         def end(*_: Any) -> None:  # after the backbone's forward, even one that raised
@@ -178,8 +177,9 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
     if kernel is not _ServedKernel:
         _ServedKernel.trl_kernel = kernel
         setattr(utils, _KERNEL, _ServedKernel)
-    if not model.__dict__.get(_SAID):
-        model.__dict__[_SAID] = True
+    kept = state.of(model)
+    if not kept.trl_said:
+        kept.trl_said = True
         _LOG.info(
             "fastckpt: TRL's fused LM head on %s computes through fastckpt.linear_log_probs (loss_head=True)",
             type(model).__name__,
@@ -187,9 +187,11 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
 
 
 def _left_to_trl(model: torch.nn.Module, said: str, why: str) -> None:
-    """Warn, once per model and case (`said`), that TRL's head computes for it, and why."""
-    if not model.__dict__.get(said):
-        model.__dict__[said] = True
+    """Warn, once per model and case (`said`: the ModelState field that records it), that TRL's head computes for
+    it, and why."""
+    kept = state.of(model)
+    if not getattr(kept, said):
+        setattr(kept, said, True)
         warnings.warn(
             f"fastckpt.integrations.hf: {why}; TRL's head computes the log-probabilities, fastckpt's loss head "
             "does not",
@@ -228,5 +230,5 @@ def stop(model: torch.nn.Module) -> None:
     for key in _hook_keys(model):
         del model.base_model._forward_pre_hooks[key]
     _served.discard(model)
-    model.__dict__.pop(_SAID, None)
-    model.__dict__.pop(_SAID_MIXED, None)
+    kept = state.read(model)
+    kept.trl_said = kept.trl_said_mixed = False
