@@ -340,8 +340,9 @@ def _prepare(model: Any, policy: str | None) -> None:  # policy None: HF GC
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
         from fastckpt.integrations import hf
+        from fastckpt.integrations.hf import gateway
 
-        padded = getattr(model.config, "_attn_implementation", None) == "sdpa"
+        padded = gateway.attention_implementations(model) == {"sdpa"}
         hf.enable(model, policy=policy, loss_head=True, padded_attention=padded)
 
 

@@ -8,6 +8,7 @@ import torch
 
 import fastckpt
 from fastckpt import _compat, _extension
+from fastckpt.integrations.hf import gateway
 
 DISPATCH_KEYS = ("CPU", "CUDA")
 INTEGRATION_PACKAGES = ("transformers", "peft", "accelerate", "deepspeed")  # see fastckpt.integrations
@@ -55,6 +56,9 @@ def report() -> str:
         + ", ".join(f"{name} {version or 'not installed'}" for name, version in integration_versions().items()),
     ]
     lines += [f"{name:<22}{status}" for name, status in module_status().items()]
+    lines += ["", "HF integration: other libraries' internals it reaches (fastckpt/integrations/hf/gateway.py)"]
+    lines += [f"  {line}" for line in gateway.report()]
+    lines.append("")
     if _extension.load_error(_extension.OPS):
         return "\n".join(lines)
     ext = _extension.extension(_extension.OPS)

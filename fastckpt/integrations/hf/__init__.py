@@ -18,7 +18,10 @@ One concept per file; each imports only files listed after it:
 - tiled_mlp.py: `enable(tile_mlp=...)`, the decoder layers' MLPs computed in tiles of tokens, each recomputed
   alone in backward (`_TiledMLP`, through fastckpt.tiling.recompute_in_tiles);
 - adapters.py: PEFT LoRA's input casts that autocast undoes, switched off (`_AdapterInputCasts`);
-- pretrained.py: the transformers PreTrainedModel behind the model passed (a PEFT model unwrapped).
+- pretrained.py: the transformers PreTrainedModel behind the model passed (a PEFT model unwrapped);
+- gateway.py: the one door to transformers', PEFT's, TRL's and accelerate's internals and torch Module's hook
+  dictionaries, each entry with the versions checked and what happens without it (`python -m fastckpt.info`);
+- state.py: what the integration keeps about a model, one `ModelState` in one attribute.
 """
 
 from fastckpt.integrations.hf.checkpointing import disable, enable, is_enabled

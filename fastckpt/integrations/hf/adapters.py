@@ -7,6 +7,8 @@ import weakref
 
 import torch
 
+from fastckpt.integrations.hf import gateway
+
 
 class _AdapterInputCasts:
     """PEFT's `cast_input_dtype_enabled` of a vanilla LoRA `Linear` (no dropout, no DoRA-like variant), made
@@ -38,7 +40,7 @@ class _AdapterInputCasts:
             return False
         return (
             isinstance(module, Linear)
-            and module.__dict__.get("cast_input_dtype_enabled") is True
+            and gateway.adapter_input_cast(module) is True
             and not module.lora_variant
             and len(module.lora_A) > 0
             and all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values())
@@ -48,10 +50,10 @@ class _AdapterInputCasts:
     def install(cls, model: torch.nn.Module) -> None:
         for module in model.modules():
             if cls._eligible(module):
-                module.cast_input_dtype_enabled = cls(module)
+                gateway.set_adapter_input_cast(module, cls(module))
 
     @staticmethod
     def remove(model: torch.nn.Module) -> None:
         for module in model.modules():
-            if isinstance(module.__dict__.get("cast_input_dtype_enabled"), _AdapterInputCasts):
-                module.cast_input_dtype_enabled = True
+            if isinstance(gateway.adapter_input_cast(module), _AdapterInputCasts):
+                gateway.set_adapter_input_cast(module, True)

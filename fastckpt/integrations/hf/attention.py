@@ -36,7 +36,7 @@ import torch
 from torch.utils._pytree import tree_map_only
 
 from fastckpt import _compat
-from fastckpt.integrations.hf import state
+from fastckpt.integrations.hf import gateway, state
 
 NAME = "fastckpt_sdpa"
 _CHECK_ELEMENTS = 1 << 22  # mask elements compared at a time while recognising (bounds the check's memory)
@@ -460,21 +460,11 @@ def attention(
     return torch.cat(out, dim=0), None
 
 
-def _attention_configs(model: torch.nn.Module) -> list[Any]:
-    """The configs of `model` and its sub-models (each once)."""
-    configs = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and hasattr(config, "_attn_implementation"):
-            configs[id(config)] = config
-    return list(configs.values())
-
-
 def check(model: torch.nn.Module) -> None:
     """ValueError, naming the fix, unless `model`'s attention implementation is "sdpa" (or already NAME);
     RuntimeError where this torch lacks what the mask form's ops need."""
     _compat.require("disable_torch_function_subclass")
-    current = {config._attn_implementation for config in _attention_configs(model)}
+    current = gateway.attention_implementations(model)
     if not current or not current <= {"sdpa", NAME}:
         without_sdpa = sorted(
             {type(m).__name__ for m in model.modules() if getattr(type(m), "_supports_sdpa", None) is False}
@@ -491,7 +481,7 @@ def check(model: torch.nn.Module) -> None:
         )
     # transformers switches only models whose attention goes through its AttentionInterface (others, e.g.
     # Falcon, keep their own sdpa code and only log a warning); refuse those before anything changes.
-    fixed = sorted({type(module).__name__ for module in model.modules() if not _switchable(module)})
+    fixed = sorted({type(module).__name__ for module in model.modules() if not gateway.attention_switchable(module)})
     if fixed:
         raise ValueError(
             f"fastckpt.integrations.hf.enable(padded_attention=True): the attention implementation of "
@@ -500,20 +490,12 @@ def check(model: torch.nn.Module) -> None:
         )
 
 
-def _switchable(module: torch.nn.Module) -> bool:
-    """False for a transformers model whose attention implementation cannot be set after loading."""
-    can_set = getattr(type(module), "_can_set_attn_implementation", None)
-    if not hasattr(module, "set_attn_implementation") or not callable(can_set):
-        return True  # not a transformers model, or a release without the check (install() checks after)
-    return bool(can_set())
-
-
 def install(model: torch.nn.Module) -> None:
     """Switch `model` (a PreTrainedModel using "sdpa") to NAME."""
     check(model)
     register()
     model.set_attn_implementation(NAME)
-    left = {config._attn_implementation for config in _attention_configs(model)} - {NAME}
+    left = gateway.attention_implementations(model) - {NAME}
     if left:
         model.set_attn_implementation("sdpa")
         raise ValueError(
@@ -524,9 +506,9 @@ def install(model: torch.nn.Module) -> None:
 
 def remove(model: torch.nn.Module) -> None:
     """Give `model` back HF's "sdpa" if NAME is installed."""
-    if any(config._attn_implementation == NAME for config in _attention_configs(model)):
+    if installed(model):
         model.set_attn_implementation("sdpa")
 
 
 def installed(model: torch.nn.Module) -> bool:
-    return any(config._attn_implementation == NAME for config in _attention_configs(model))
+    return NAME in gateway.attention_implementations(model)

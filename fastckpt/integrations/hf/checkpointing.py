@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from fastckpt.api import checkpoint
-from fastckpt.integrations.hf import attention, state, trl_head
+from fastckpt.integrations.hf import attention, gateway, state, trl_head
 from fastckpt.integrations.hf.adapters import _AdapterInputCasts
 from fastckpt.integrations.hf.loss_head import _LossHead
 from fastckpt.integrations.hf.planning import _FirstBatchPlan
@@ -85,13 +85,11 @@ def _remove_orphaned_require_grads_hooks(model: torch.nn.Module) -> None:
     keeps only the newest handles, so `disable_input_require_grads` leaves the earlier ones. PEFT registers its
     own where the model has no such method. Recognised by the defining package and the function's name."""
     for module in model.modules():
-        for key, hook in list(module._forward_hooks.items()):
+        for _, hook, remove in gateway.forward_hooks(module):
             package = (getattr(hook, "__module__", None) or "").partition(".")[0]
             name = getattr(hook, "__name__", None)
             if package in ("transformers", "peft") and name in _REQUIRE_GRADS_HOOK_NAMES:
-                del module._forward_hooks[key]
-                module._forward_hooks_with_kwargs.pop(key, None)
-                module._forward_hooks_always_called.pop(key, None)
+                remove()
 
 
 def _enable_through_fastckpt(
@@ -123,9 +121,7 @@ def _enable_through_fastckpt(
         # by a storage policy (a leaf that requires grad is kept as a parameter is).
         model.disable_input_require_grads()
         _remove_orphaned_require_grads_hooks(model)
-    for module in model.modules():
-        if hasattr(module, "_gradient_checkpointing_func"):
-            module._gradient_checkpointing_func = function
+    gateway.set_checkpoint_function(model, function)
     if budget is not None:
         _FirstBatchPlan.install(model, model if settings.outer is None else settings.outer, budget, plan_options)
 
@@ -276,7 +272,5 @@ def is_enabled(model: Any) -> bool:
     """True when some layer of `model` is checkpointed through fastckpt (by enable, or by a plan applied)."""
     pretrained = _pretrained_model(model)
     return state.read(pretrained).plan is not None or any(
-        getattr(module, "gradient_checkpointing", False)
-        and getattr(getattr(module, "_gradient_checkpointing_func", None), "func", None) is checkpoint
-        for module in pretrained.modules()
+        getattr(function, "func", None) is checkpoint for function in gateway.checkpoint_functions(pretrained)
     )

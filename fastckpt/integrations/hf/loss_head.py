@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fastckpt import _compat
-from fastckpt.integrations.hf import state
+from fastckpt.integrations.hf import gateway, state
 from fastckpt.integrations.hf.families import _HEAD_POSTPROCESSING
 from fastckpt.integrations.hf.pretrained import _pretrained_model
 from fastckpt.loss import default_chunk_size, linear_cross_entropy
@@ -206,11 +206,7 @@ class _LossHead:
     def check(cls, model: torch.nn.Module) -> None:
         reason = cls.unsupported(model)
         if reason is None:
-            try:
-                source = inspect.getsource(_forward_owner(model).forward)
-            except (OSError, TypeError):
-                source = ""
-            if "self.lm_head(" not in source or "self.loss_function(" not in source:
+            if not gateway.forward_computes_loss_from_head(_forward_owner(model).forward):
                 reason = (
                     f"{_forward_owner(model).__name__}.forward does not compute its loss as "
                     "self.loss_function(self.lm_head(...), labels, ...)"
@@ -290,11 +286,10 @@ class _LossHead:
         head = model.lm_head
         # Under an accelerate hook (device_map dispatch, offload) the hook's wrapper calls `_old_forward`: that
         # is replaced, so the hook still moves the inputs and the weight around both of the head's calls.
-        accelerated = getattr(head, "_hf_hook", None) is not None and "_old_forward" in head.__dict__
-        replaced = ((head, "_old_forward" if accelerated else "forward"), (model, "_loss_function"))
+        replaced = (gateway.head_forward_slot(head), gateway.loss_function_slot(model))
         saved = {name: obj.__dict__[name] for obj, name in replaced if name in obj.__dict__}
-        setattr(head, replaced[0][1], self.head_forward)
-        model._loss_function = self.loss
+        for (obj, name), stand_in in zip(replaced, (self.head_forward, self.loss), strict=True):
+            setattr(obj, name, stand_in)
         embedding = _tied_embedding(model, head)
         if embedding is not None:
             self.tied = _TiedGradient(embedding)

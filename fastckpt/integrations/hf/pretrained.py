@@ -7,12 +7,14 @@ from typing import Any
 
 import torch
 
+from fastckpt.integrations.hf import gateway
+
 
 def _pretrained_model(model: Any) -> torch.nn.Module:
     """The transformers PreTrainedModel behind `model` (a PEFT model is unwrapped)."""
-    if hasattr(model, "get_base_model") and not hasattr(type(model), "_set_gradient_checkpointing"):
+    if hasattr(model, "get_base_model") and not gateway.is_pretrained_model(model):
         model = model.get_base_model()  # peft.PeftModel
-    if not isinstance(model, torch.nn.Module) or not hasattr(type(model), "_set_gradient_checkpointing"):
+    if not gateway.is_pretrained_model(model):
         raise TypeError(
             f"fastckpt.integrations.hf: `model` must be a transformers PreTrainedModel (or a PEFT model wrapping "
             f"one), got {type(model).__name__}; for other modules use fastckpt.apply or fastckpt.wrap"

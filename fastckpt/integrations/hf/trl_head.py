@@ -23,7 +23,6 @@ another dtype (fp32 hidden states outside autocast) are reported with a warning,
 from __future__ import annotations
 
 import logging
-import sys
 import types
 import warnings
 import weakref
@@ -31,14 +30,11 @@ from typing import Any
 
 import torch
 
-from fastckpt.integrations.hf import state
+from fastckpt.integrations.hf import gateway, state
 from fastckpt.integrations.hf.loss_head import _tied_embedding, _TiedGradient, loss_head_enabled
 from fastckpt.log_probs import linear_log_probs
 
 _LOG = logging.getLogger("fastckpt")
-_TRL_UTILS = "trl.trainer.utils"
-_KERNEL = "_ChunkedLogProbFunction"  # the name TRL's patched forward calls `.apply` on
-_FUSED_FORWARD = "_fused_forward"  # inside add_fused_lm_head
 _served: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the PreTrainedModels whose head fastckpt serves
 
 
@@ -50,13 +46,7 @@ def trl_forward(model: torch.nn.Module) -> Any:
         for _ in range(32):
             if forward is None:
                 break
-            # By its code and globals: functools.wraps gave it the model class's forward's names
-            code = getattr(forward, "__code__", None)
-            if (
-                code is not None
-                and code.co_name == _FUSED_FORWARD
-                and forward.__globals__.get("__name__") == _TRL_UTILS
-            ):
+            if gateway.is_trl_fused_forward(forward):  # functools.wraps gave it the model class's forward's names
                 return forward
             forward = getattr(forward, "__func__", None) or getattr(forward, "__wrapped__", None)
     return None
@@ -96,7 +86,7 @@ class _ServedKernel:
             return cls.trl_kernel.apply(
                 hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
             )
-        rows = _scored_rows(sys._getframe(1), hidden)
+        rows = _scored_rows(gateway.trl_scored_mask(depth=1), hidden)
         # TRL's chunk_size counts vocabulary columns per tile; fastckpt's chunks are of tokens (a plan's, or the
         # default).
         per_token = linear_log_probs(
@@ -120,19 +110,15 @@ class _ServedKernel:
         return tuple(None if x is None else x.new_zeros(hidden.shape[0]).index_copy(0, rows, x) for x in per_token)
 
 
-def _scored_rows(caller: types.FrameType, hidden: torch.Tensor) -> torch.Tensor | None:
+def _scored_rows(mask: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor | None:
     """The positions TRL's forward (the kernel's caller) counts, when it passed every position.
 
     Without Triton (CPU, MPS) TRL hands the kernel every position, labels -100 clamped to 0, and zeroes the
     ignored ones afterwards; their head work (padding, prompts, each sequence's last position) is wasted. Its
-    label mask is a local of that forward, `mask`: the indices of its true positions, else None (TRL passed only
-    the counted positions, or this TRL's forward has no such local: every position is scored)."""
-    if caller.f_code.co_name != _FUSED_FORWARD or caller.f_globals.get("__name__") != _TRL_UTILS:
-        return None
-    if hidden.device.type not in ("cpu", "cuda", "mps"):  # where a shape per batch costs no recompilation (XLA)
-        return None
-    mask = caller.f_locals.get("mask")
-    if caller.f_locals.get("compact") is not False or not isinstance(mask, torch.Tensor):
+    label mask (`gateway.trl_scored_mask`: a local of that forward; the kernel's arguments cannot tell an ignored
+    position from a label 0) gives the indices of its true positions, else None (TRL passed only the counted
+    positions, or this TRL's forward has no such local: every position is scored)."""
+    if mask is None or hidden.device.type not in ("cpu", "cuda", "mps"):  # XLA: a shape per batch recompiles
         return None
     if mask.dtype != torch.bool or mask.numel() != hidden.shape[0]:
         return None
@@ -146,12 +132,13 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
     forward = trl_forward(model)
     if forward is None or not loss_head_enabled(model):
         return
-    utils = sys.modules.get(_TRL_UTILS)
-    if _KERNEL not in forward.__code__.co_names or utils is None or not hasattr(utils, _KERNEL):
+    kernel = gateway.trl_kernel()
+    if gateway.TRL_KERNEL not in forward.__code__.co_names or kernel is None:
         _left_to_trl(
             model,
             "trl_said",
-            f"TRL's fused LM head on {type(model).__name__} does not call {_TRL_UTILS}.{_KERNEL} in this TRL release",
+            f"TRL's fused LM head on {type(model).__name__} does not call {gateway.TRL_UTILS}.{gateway.TRL_KERNEL} "
+            "in this TRL release",
         )
         return
     if _is_dtensor(model.get_output_embeddings().weight):
@@ -173,10 +160,9 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
             done.remove()
 
         done = backbone.register_forward_hook(end, always_call=True)
-    kernel = getattr(utils, _KERNEL)
     if kernel is not _ServedKernel:
         _ServedKernel.trl_kernel = kernel
-        setattr(utils, _KERNEL, _ServedKernel)
+        gateway.set_trl_kernel(_ServedKernel)
     kept = state.of(model)
     if not kept.trl_said:
         kept.trl_said = True
@@ -215,7 +201,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
 
 
 def _hook_keys(model: torch.nn.Module) -> list[int]:
-    hooks = model.base_model._forward_pre_hooks
+    hooks = gateway.forward_pre_hooks(model.base_model)
     return [key for key, hook in hooks.items() if getattr(hook, "__func__", None) is _before_backbone]
 
 
@@ -228,7 +214,9 @@ def serve(model: torch.nn.Module) -> None:
 def stop(model: torch.nn.Module) -> None:
     """Leave TRL's fused head of `model` to TRL again."""
     for key in _hook_keys(model):
-        del model.base_model._forward_pre_hooks[key]
+        del gateway.forward_pre_hooks(model.base_model)[key]
     _served.discard(model)
+    if not _served and gateway.trl_kernel() is _ServedKernel:  # the last model served: TRL's kernel back
+        gateway.set_trl_kernel(_ServedKernel.trl_kernel)
     kept = state.read(model)
     kept.trl_said = kept.trl_said_mixed = False
