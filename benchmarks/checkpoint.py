@@ -337,27 +337,8 @@ def default_out() -> str:
     return os.path.join(DEFAULT_OUT, datetime.datetime.now().strftime("%Y-%m-%d_%H%M%S"))
 
 
-def main(
-    device: str = "cpu",
-    out: str | None = None,
-    quick: bool = False,
-    selected: list[str] | None = None,
-    smoke: bool = False,
-    tune_malloc: bool = True,
-) -> list[dict]:
-    """Measure the selected workloads (all by default); print the header, a table per workload, write a CSV
-    and a PNG per workload and results.md to `out` (default bench-results/<timestamp>/). Exits with status
-    1 after everything is written if a configuration failed."""
-    dev = torch.device(device)
-    size = "smoke" if smoke else "quick" if quick else "full"
-    selected = list(selected or WORKLOAD_NAMES)
-    unknown = [name for name in selected if name not in WORKLOAD_NAMES]
-    if unknown:
-        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; valid: {', '.join(WORKLOAD_NAMES)}")
-    out = out or default_out()
-    warmup, rounds = ROUNDS[size]
-    tuned = dev.type == "cpu" and tune_malloc and _reuse_freed_host_memory()
-
+def _header(dev: torch.device, warmup: int, rounds: int, tuned: bool) -> tuple[dict, list[str]]:
+    """The run's environment and notes, printed; (the environment, the header lines for results.md)."""
     env = report.environment(dev)
     method = (
         "torch.cuda.max_memory_allocated"
@@ -386,6 +367,31 @@ def main(
     if warning:
         print(f"  WARNING: {warning}")
         header.append(f"WARNING: {warning}")
+    return env, header
+
+
+def main(
+    device: str = "cpu",
+    out: str | None = None,
+    quick: bool = False,
+    selected: list[str] | None = None,
+    smoke: bool = False,
+    tune_malloc: bool = True,
+) -> list[dict]:
+    """Measure the selected workloads (all by default); print the header, a table per workload, write a CSV
+    and a PNG per workload and results.md to `out` (default bench-results/<timestamp>/). Exits with status
+    1 after everything is written if a configuration failed."""
+    dev = torch.device(device)
+    size = "smoke" if smoke else "quick" if quick else "full"
+    selected = list(selected or WORKLOAD_NAMES)
+    unknown = [name for name in selected if name not in WORKLOAD_NAMES]
+    if unknown:
+        raise ValueError(f"unknown workload(s) {', '.join(unknown)}; valid: {', '.join(WORKLOAD_NAMES)}")
+    out = out or default_out()
+    warmup, rounds = ROUNDS[size]
+    tuned = dev.type == "cpu" and tune_malloc and _reuse_freed_host_memory()
+
+    env, header = _header(dev, warmup, rounds, tuned)
     print(f"results folder: {out}", flush=True)
     run_start = time.perf_counter()
     run_cpu = (_proc_stat(), time.process_time())

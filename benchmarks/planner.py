@@ -225,6 +225,37 @@ def _summary(policies: list[str]) -> str:
     return ", ".join(f"{counts[p]} x {p}" if counts[p] > 1 else p for p in dict.fromkeys(policies))
 
 
+def _plan_rows(measurements: Measurements, step: Callable[[], None], stock_peak: int) -> list[Row]:
+    """A row per budget (a fraction of the stock peak): its plan's step, or why no plan fits it."""
+    rows = []
+    for fraction in BUDGETS:
+        budget = int(fraction * stock_peak)
+        name = f"plan {fraction:.0%}"
+        try:
+            plan = measurements.plan(budget)
+        except ValueError:
+            smallest = measurements.smallest_feasible_budget()
+            rows.append(
+                Row(
+                    name,
+                    budget=budget,
+                    note=f"infeasible: smallest feasible {smallest / 2**20:.1f} MiB ({smallest / stock_peak:.0%})",
+                )
+            )
+            continue
+        rows.append(
+            Row(
+                name,
+                _with_plan(plan, step),
+                budget=budget,
+                policies=plan.policies,
+                predicted_peak=plan.predicted_peak,
+                predicted_seconds=plan.predicted_seconds,
+            )
+        )
+    return rows
+
+
 def run_workload(
     workload: Workload,
     device: torch.device,
@@ -251,32 +282,7 @@ def run_workload(
         )
     measure_seconds = time.perf_counter() - start
 
-    rows = [Row("plain", step), Row("stock checkpoint", stock)]
-    for fraction in BUDGETS:
-        budget = int(fraction * stock_peak)
-        name = f"plan {fraction:.0%}"
-        try:
-            plan = measurements.plan(budget)
-        except ValueError:
-            smallest = measurements.smallest_feasible_budget()
-            rows.append(
-                Row(
-                    name,
-                    budget=budget,
-                    note=f"infeasible: smallest feasible {smallest / 2**20:.1f} MiB ({smallest / stock_peak:.0%})",
-                )
-            )
-            continue
-        rows.append(
-            Row(
-                name,
-                _with_plan(plan, step),
-                budget=budget,
-                policies=plan.policies,
-                predicted_peak=plan.predicted_peak,
-                predicted_seconds=plan.predicted_seconds,
-            )
-        )
+    rows = [Row("plain", step), Row("stock checkpoint", stock), *_plan_rows(measurements, step, stock_peak)]
 
     runnable = {r.name: r.step for r in rows if r.step is not None}
     times, failed = _median_times(runnable, device, rounds)

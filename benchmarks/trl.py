@@ -196,6 +196,29 @@ def trainer_step(
     return run
 
 
+def _built(
+    shape_name: str, lengths: Any, out: str, trainer: str, compute: str, device: str
+) -> tuple[dict[str, Callable[[], float]], dict[str, str]]:
+    """Each setup's trainer built and stepped once (a warm-up): ({name: one step}, {name: why it did not run})."""
+    runs: dict[str, Callable[[], float]] = {}
+    failed: dict[str, str] = {}
+    for setup in SETUPS:
+        if (setup.config or {}).get("activation_offloading") and device == "cpu":
+            failed[setup.name] = (
+                "not run on CPU: TRL's activation offloading moves the saved activations from an accelerator to host "
+                "memory (on this CUDA build without a GPU it raises), and on CPU they are host memory already"
+            )
+            continue
+        started = time.perf_counter()
+        try:
+            with quiet_profiler_logs():
+                runs[setup.name] = trainer_step(shape_name, lengths, setup, out, trainer, compute == "bf16")
+        except Exception as err:
+            failed[setup.name] = f"FAILED: {error_line(err)}"
+        print(f"  {setup.name}: built and one step in {time.perf_counter() - started:.0f} s", flush=True)
+    return runs, failed
+
+
 def main(
     device: str = "cpu",
     out: str | None = None,
@@ -223,23 +246,8 @@ def main(
     }[trainer]
     print(f"TRL {trainer.upper()}Trainer, one step: {shape_name} LoRA r=16, {compute}, {batch}, {device}", flush=True)
     results: dict[str, dict] = {}
-    failed: dict[str, str] = {}
-    runs: dict[str, Callable[[], float]] = {}
     losses: dict[str, float] = {}
-    for setup in SETUPS:
-        if (setup.config or {}).get("activation_offloading") and device == "cpu":
-            failed[setup.name] = (
-                "not run on CPU: TRL's activation offloading moves the saved activations from an accelerator to host "
-                "memory (on this CUDA build without a GPU it raises), and on CPU they are host memory already"
-            )
-            continue
-        started = time.perf_counter()
-        try:
-            with quiet_profiler_logs():
-                runs[setup.name] = trainer_step(shape_name, lengths, setup, out, trainer, compute == "bf16")  # warms up
-        except Exception as err:
-            failed[setup.name] = f"FAILED: {error_line(err)}"
-        print(f"  {setup.name}: built and one step in {time.perf_counter() - started:.0f} s", flush=True)
+    runs, failed = _built(shape_name, lengths, out, trainer, compute, device)
 
     def recording(name: str, run: Callable[[], float]) -> Callable[[], None]:
         return lambda: losses.setdefault(name, run())  # the first timed step's loss

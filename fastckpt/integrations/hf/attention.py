@@ -363,6 +363,30 @@ def padded_rows(mask: Any, batch: int, tokens: int) -> tuple[tuple[int, int], ..
     return result
 
 
+def _segments(
+    query: torch.Tensor, key: torch.Tensor, attention_mask: Any, dropout: float, kwargs: dict[str, Any]
+) -> tuple[tuple[tuple[Segment, ...], ...] | None, int | None]:
+    """Per batch row (or one for all) its segments, and a sliding window (None: none), where the call decomposes
+    into causal calls per segment; (None, None) where it does not (HF's sdpa then runs it whole)."""
+    batch, tokens = query.shape[0], query.shape[2]
+    decomposable = (
+        dropout == 0.0
+        and kwargs.get("position_bias") is None
+        and kwargs.get("cache") is None
+        and tokens == key.shape[2]
+        and not torch.compiler.is_compiling()
+        and not torch.jit.is_tracing()
+    )
+    if decomposable and isinstance(attention_mask, CausalSegmentsMask):
+        if attention_mask.shape[0] == batch and attention_mask.shape[-1] == tokens:
+            return attention_mask.rows, attention_mask.window
+    elif decomposable:
+        found = padded_rows(attention_mask, batch, tokens)
+        if found is not None:
+            return _one_segment_each(found, tokens), None
+    return None, None
+
+
 def attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -376,22 +400,8 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """HF's attention-interface signature; [batch, tokens, heads, head_dim] output as HF's sdpa returns it."""
     sdpa = _hf_sdpa()
-    batch, tokens = query.shape[0], query.shape[2]
-    rows, window = None, None  # per batch row (or one for all), its segments; a sliding window
-    decomposable = (
-        dropout == 0.0
-        and kwargs.get("position_bias") is None
-        and kwargs.get("cache") is None
-        and tokens == key.shape[2]
-        and not torch.compiler.is_compiling()
-        and not torch.jit.is_tracing()
-    )
-    if decomposable and isinstance(attention_mask, CausalSegmentsMask):
-        if attention_mask.shape[0] == batch and attention_mask.shape[-1] == tokens:
-            rows, window = attention_mask.rows, attention_mask.window
-    elif decomposable:
-        found = padded_rows(attention_mask, batch, tokens)
-        rows = None if found is None else _one_segment_each(found, tokens)
+    tokens = query.shape[2]
+    rows, window = _segments(query, key, attention_mask, dropout, kwargs)
     if rows is None:
         return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                     is_causal=is_causal, **kwargs)  # fmt: skip
