@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 import fastckpt
 from benchmarks.harness import median_times, peak_bytes, write_csv
 from benchmarks.ops import _reuse_freed_host_memory
-from fastckpt.loss import default_chunk_size
+from fastckpt.heads import default_chunk_size
 
 SHAPES = ((2048, 256, 4096, 1 / 8), (2048, 256, 32000, 1 / 8), (2048, 256, 32000, 1 / 2))  # (tokens, hidden,
 # vocab, the fraction of tokens ignored)

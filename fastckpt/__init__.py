@@ -7,9 +7,8 @@ if _extension.load_error(_extension.OPS) is None:
     from fastckpt import ops  # noqa: F401
 from fastckpt.api import CheckpointWrapper, apply, checkpoint, checkpoint_sequential, wrap
 from fastckpt.compiled import compile
+from fastckpt.heads import linear_cross_entropy, linear_log_probs
 from fastckpt.hybrid import selective
-from fastckpt.log_probs import linear_log_probs
-from fastckpt.loss import linear_cross_entropy
 from fastckpt.optimizer_in_backward import OptimizerInBackward, optimizer_in_backward
 from fastckpt.planner import Plan, plan
 from fastckpt.policies import Policy, current_policy, policy

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
+from fastckpt.heads import default_chunk_size
 from fastckpt.integrations.hf.tiled_mlp import default_tile
-from fastckpt.loss import default_chunk_size
 from fastckpt.memory import peak_bytes
 from fastckpt.planner.budgets import format_bytes, total_bytes
 from fastckpt.policies import Policy

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from fastckpt.loss import backward_repeated
+from fastckpt.heads import backward_repeated
 
 _NAME = "fastckpt.optimizer_in_backward"
 
@@ -94,7 +94,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._norm_pass = False  # the first of backward()'s two passes runs: gradients measured, then freed
         self._clip: torch.Tensor | None = None  # the step pass's clipping coefficient
         # a loss head hands out its parameters' gradients (computed in the forward) once, in the norm pass
-        # (fastckpt.loss.backward_repeated): held here for the step, after the step pass
+        # (fastckpt.heads.backward_repeated): held here for the step, after the step pass
         self._handed_out: set[torch.Tensor] = set()
         self._held: dict[torch.Tensor, torch.Tensor] = {}
         self._clipped = False  # the held gradients were clipped by clip_grad_norm_ in this iteration

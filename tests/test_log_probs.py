@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from fastckpt import linear_log_probs
-from fastckpt import loss as head_loss
+from fastckpt.heads import chunks as head_chunks
 from fastckpt.memory import peak_bytes
 
 V, H = 101, 16
@@ -38,7 +38,7 @@ def _reference(hidden, weight, bias, labels, temperature, softcap, scale):
 @pytest.mark.parametrize("sliced", [False, True], ids=["one-slice", "slices"])
 def test_matches_the_full_logits(monkeypatch, trained, transform, entropy_grad, sliced):
     if sliced:  # the passes over vocabulary slices in pieces of 7 columns (101 = 14 x 7 + 3) for 10-token chunks
-        monkeypatch.setattr(head_loss, "SLICE_BYTES", 4 * 10 * 7)
+        monkeypatch.setattr(head_chunks, "SLICE_BYTES", 4 * 10 * 7)
     torch.manual_seed(0)
     temperature, softcap, scale = transform or (1.0, None, None)
     hidden = torch.randn(2, 37, H, requires_grad=True)
@@ -103,7 +103,7 @@ def test_the_logits_are_the_chunks_one_buffer(monkeypatch, softcap):
     """A chunk's working memory is its logits in the compute dtype and fp32 temporaries of a vocabulary slice (the
     normaliser, the entropy, the gradient and the soft cap's derivative, slice by slice), in the forward and in
     backward's recomputation: no fp32 copy of the chunk's logits, no log-softmax beside it."""
-    monkeypatch.setattr(head_loss, "SLICE_BYTES", 2**20)
+    monkeypatch.setattr(head_chunks, "SLICE_BYTES", 2**20)
     tokens, chunk, vocab, hidden_size = 256, 64, 32768, 32
     hidden = torch.randn(tokens, hidden_size, requires_grad=True)
     weight, labels = torch.randn(vocab, hidden_size), torch.randint(0, vocab, (tokens,))
@@ -116,7 +116,7 @@ def test_the_logits_are_the_chunks_one_buffer(monkeypatch, softcap):
     peak = peak_bytes(step)
     logits_bf16, logits_fp32 = chunk * vocab * 2, chunk * vocab * 4
     others = vocab * hidden_size * 2 + 4 * tokens * hidden_size * 4  # the bf16 weight; rows, gradients and outputs
-    bound = logits_bf16 + 3 * head_loss.SLICE_BYTES + others
+    bound = logits_bf16 + 3 * head_chunks.SLICE_BYTES + others
     assert peak <= bound < logits_bf16 + logits_fp32, (peak, bound)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import fastckpt
-from fastckpt.loss import default_chunk_size
+from fastckpt.heads import default_chunk_size
 from fastckpt.memory import peak_bytes
 
 FP32 = {"rtol": 1e-5, "atol": 1e-6}  # fp32: only the summation order differs

@@ -21,12 +21,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from fastckpt.heads.chunks import (
+    Head,
+    default_chunk_size,
+    gradient_into_logits_,
+    head_dtype,
+    logits_of,
+    normaliser,
+    softmax_minus_one_hot,
+    z_of,
+)
 
 _NAME = "fastckpt.linear_cross_entropy: "
 
@@ -48,62 +57,6 @@ def backward_repeated() -> Any:
         yield handed
     finally:
         _handed_out.pop()
-
-
-# The default chunk (default_chunk_size says why): about CHUNK_BYTES of fp32 logits and at least MIN_CHUNK tokens
-# (FAST_CHUNK where MIN_CHUNK's are more than CHUNK_BYTES), but at most MAX_CHUNK_BYTES of bf16 logits (the
-# chunk's one [tokens, vocab] buffer) and never fewer than FEWEST_TOKENS; when the weight gradient is computed at
-# least hidden_size / 2 tokens; a multiple of CHUNK_MULTIPLE tokens.
-CHUNK_BYTES = 2 * 2**20
-MIN_CHUNK = 128
-FAST_CHUNK = 256
-MAX_CHUNK_BYTES = 64 * 2**20
-FEWEST_TOKENS = 32
-CHUNK_MULTIPLE = 16
-
-
-def default_chunk_size(vocab_size: int, hidden_size: int = 0, weight_grad: bool = False) -> int:
-    """Tokens per chunk when `chunk_size` is not given.
-
-    About CHUNK_BYTES (2 MiB) of fp32 logits, at least MIN_CHUNK (128) tokens (vocab 4096: 128 tokens, 2048:
-    256), and FAST_CHUNK (256) where MIN_CHUNK's tokens hold more than CHUNK_BYTES (vocab 32,000: 256), but at
-    most MAX_CHUNK_BYTES (64 MiB) of the logits in bf16 (rounded down to a multiple of CHUNK_MULTIPLE: 256 tokens
-    at vocab 128,256, 208 at 151,936, 128 at 256,000), never fewer than FEWEST_TOKENS (32), and, when the weight
-    gradient is computed, at least hidden_size / 2 tokens.
-
-    After checkpointing the chunk is much of the step's peak: its logits in the compute dtype are its one
-    [tokens, vocab] buffer (the softmax runs over vocabulary slices in fp32 temporaries of SLICE_BYTES), against,
-    at Llama-3.2-1B's shape (1,024 tokens, LoRA), some 60 MiB for everything else. The token bounds are time:
-    every chunk reads the whole head weight twice (the logits, the hidden states' gradient), so few tokens per
-    chunk are slow whatever the vocabulary. Measured on CPU (`python -m benchmarks.loss_head --sweep`: 1,024
-    tokens, hidden 2048, vocab 128,256, bf16 autocast, 2 threads), the head's step as x its fastest chunk: a
-    frozen bf16 weight (LoRA) 3.6x at 16 tokens, 2.3x at 32, 1.54x at 64, 1.16x at 128, 1.0x at 256 to 1,024; a
-    trained fp32 weight, which also adds a [vocab, hidden] product into the fp32 weight-gradient sum per chunk,
-    3.4x at 64, 2.08x at 128, 1.46x at 256, 1.16x at 512, 1.0x at 1,024 (its chunk is a small part of a full
-    fine-tune's peak: the weight gradient's sum alone is 1 GiB there).
-    At vocab 4096 (2048-4096 tokens) the fastest chunks held 8-64 MiB of fp32 logits (128-512 tokens), and 128
-    tokens gave the lowest peak of a bf16 Llama LoRA step (16 layers, 1024 tokens: 23.0 MiB against 32.2 with 512).
-    """
-    vocab_size = max(1, vocab_size)
-    tokens = max(-(-CHUNK_BYTES // (4 * vocab_size) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE, MIN_CHUNK)
-    capped = MAX_CHUNK_BYTES // (2 * vocab_size) // CHUNK_MULTIPLE * CHUNK_MULTIPLE  # bf16 logits
-    if tokens * 4 * vocab_size > CHUNK_BYTES:  # a large vocabulary: fewer reads of its large weight
-        tokens = max(tokens, min(capped, FAST_CHUNK))
-    tokens = max(min(tokens, capped), FEWEST_TOKENS)
-    if weight_grad:
-        tokens = max(tokens, -(-(hidden_size // 2) // CHUNK_MULTIPLE) * CHUNK_MULTIPLE)
-    return tokens
-
-
-@dataclass(frozen=True)
-class _Head:
-    """What every chunk needs besides its tokens."""
-
-    compute_dtype: torch.dtype
-    ignore_index: int
-    softcap: float | None
-    logit_scale: float | None
-    chunk_size: int
 
 
 def linear_cross_entropy(
@@ -171,7 +124,7 @@ def _check(
     logit_scale: Any,
     chunk_size: Any,
     shift_labels: Any,
-) -> tuple[_Head, torch.Tensor, torch.Tensor, torch.Tensor | int | None]:
+) -> tuple[Head, torch.Tensor, torch.Tensor, torch.Tensor | int | None]:
     """Validate the arguments; return the settings, hidden as [N, H], labels as [N] and the loss divisor."""
     for name, value in (("hidden", hidden), ("weight", weight), ("labels", labels)):
         if not isinstance(value, torch.Tensor):
@@ -227,7 +180,7 @@ def _check(
     if not isinstance(shift_labels, bool):
         raise TypeError(f"{_NAME}`shift_labels` must be a bool (HF's causal shift or none), got {shift_labels!r}")
 
-    compute_dtype = _compute_dtype(hidden, weight, bias)
+    compute_dtype = head_dtype(hidden, weight, bias, _NAME)
     if shift_labels:
         labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     labels1d = labels.reshape(-1).to(hidden.device)
@@ -238,7 +191,7 @@ def _check(
             divisor = divisor.reshape(()).to(hidden.device)
     elif reduction == "mean":
         divisor = (labels1d != ignore_index).sum()
-    head = _Head(
+    head = Head(
         compute_dtype=compute_dtype,
         ignore_index=ignore_index,
         softcap=None if softcap is None else float(softcap),
@@ -249,31 +202,7 @@ def _check(
     return head, hidden.reshape(-1, hidden.shape[-1]), labels1d, divisor
 
 
-def _compute_dtype(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.dtype:
-    """The head matmul's dtype: autocast's where it would cast (as for F.linear), else the inputs' common dtype."""
-    device = hidden.device.type
-    eligible = (torch.float32, torch.float16, torch.bfloat16)
-    tensors = [t for t in (hidden, weight, bias) if t is not None]
-    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
-        if all(t.dtype in eligible for t in tensors):
-            return torch.get_autocast_dtype(device)
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1:
-        names = ", ".join(
-            f"{n} {t.dtype}"
-            for n, t in zip(("hidden", "weight", "bias"), (hidden, weight, bias), strict=True)
-            if t is not None
-        )
-        raise TypeError(
-            f"{_NAME}the head's inputs have different dtypes ({names}); cast them to one dtype, or run under "
-            "torch.autocast (which computes the head in its dtype)"
-        )
-    if not weight.is_floating_point():
-        raise TypeError(f"{_NAME}`weight` must be floating point, got {weight.dtype}")
-    return hidden.dtype
-
-
-def _chunk_rows(labels: torch.Tensor, head: _Head) -> list[slice | torch.Tensor]:
+def _chunk_rows(labels: torch.Tensor, head: Head) -> list[slice | torch.Tensor]:
     """The rows of each chunk. Only tokens that count go through the head: ignored ones (padding, prompts under a
     completion-only loss, each sequence's last position) cost no head work. Slices while every token counts, else
     index tensors into the counted tokens (counting them is one host sync)."""
@@ -284,111 +213,17 @@ def _chunk_rows(labels: torch.Tensor, head: _Head) -> list[slice | torch.Tensor]
     return list(counted.split(size)) if counted.numel() else []  # (an empty tensor splits into one empty piece)
 
 
-def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head: _Head) -> torch.Tensor:
-    """One chunk's logits in the compute dtype, scaled by logit_scale (a fresh tensor: callers may reuse it)."""
-    logits = hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)
-    if head.logit_scale is not None:
-        logits.mul_(head.logit_scale)
-    return logits
-
-
-# A chunk's softmax runs over slices of its vocabulary, in fp32 temporaries of about SLICE_BYTES: the chunk's
-# logits stay in the compute dtype, the only [tokens, vocab] buffer (no fp32 copy of them), so a chunk of a given
-# size in bytes holds three times the tokens under bf16, and the head's weight is read three times less often.
-SLICE_BYTES = 8 * 2**20
-
-
-def _slices(logits: torch.Tensor) -> list[slice]:
-    """The vocabulary columns of a chunk's logits in pieces whose fp32 copies hold about SLICE_BYTES."""
-    rows, columns = logits.shape
-    width = max(1, SLICE_BYTES // (4 * max(1, rows)))
-    return [slice(start, min(start + width, columns)) for start in range(0, columns, width)]
-
-
-def _z(logits: torch.Tensor, head: _Head, temperature: float = 1.0) -> torch.Tensor:
-    """The transformed logits `softcap * tanh(logits / softcap) / temperature` of a slice, a new fp32 tensor."""
-    z = logits.to(torch.float32, copy=True)
-    if head.softcap is not None:
-        z.div_(head.softcap).tanh_().mul_(head.softcap)
-    if temperature != 1.0:
-        z.div_(temperature)
-    return z
-
-
-def _normaliser(
-    logits: torch.Tensor,
-    head: _Head,
-    temperature: float = 1.0,
-    each: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row `top = max(z)` and `log_sum = log(sum(exp(z - top)))` ([rows, 1] fp32; log softmax = z - top -
-    log_sum), a vocabulary slice at a time; `each(shifted, e)` is given every slice's `z - top` and its exp."""
-    top = _z(logits.amax(dim=1, keepdim=True), head, temperature)  # the transform is increasing
-    sums = torch.zeros_like(top)
-    for cols in _slices(logits):
-        shifted = _z(logits[:, cols], head, temperature).sub_(top)
-        e = shifted.exp()
-        sums += e.sum(dim=1, keepdim=True)
-        if each is not None:
-            each(shifted, e)
-        del shifted, e  # before the next slice's
-    return top, sums.log_()
-
-
-def _add_at_targets_(grad: torch.Tensor, cols: slice, targets: torch.Tensor, values: torch.Tensor) -> None:
-    """grad[row, targets[row] - cols.start] += values[row] for the rows whose target is in the slice `cols`."""
-    inside = (targets >= cols.start) & (targets < cols.stop)
-    index = (targets - cols.start).clamp_(0, grad.shape[1] - 1)
-    grad.scatter_add_(1, index, torch.where(inside, values, 0.0))
-
-
-def _gradient_into_logits_(
-    logits: torch.Tensor,
-    head: _Head,
-    temperature: float,
-    dz: Callable[[slice, torch.Tensor], torch.Tensor],
-) -> torch.Tensor:
-    """d(loss)/d(logits) into the logits' own buffer, a vocabulary slice at a time: `dz(cols, z)` is d(loss)/dz
-    for the slice's transformed logits z (fp32; it may return z's buffer); then the transform's derivative."""
-    for cols in _slices(logits):
-        z = _z(logits[:, cols], head, temperature)
-        # d(cap * tanh(x / cap)) / dx = 1 - tanh^2, and tanh = z * temperature / cap (before dz may reuse z)
-        tanh_squared = None if head.softcap is None else (z * (temperature / head.softcap)).square_()
-        grad = dz(cols, z)
-        if temperature != 1.0:
-            grad.div_(temperature)
-        if tanh_squared is not None:
-            grad.addcmul_(grad, tanh_squared, value=-1)
-        logits[:, cols] = grad
-        del z, grad, tanh_squared
-    if head.logit_scale is not None:
-        logits.mul_(head.logit_scale)
-    return logits
-
-
-def _softmax_minus_one_hot(lse: torch.Tensor, targets: torch.Tensor) -> Callable[[slice, torch.Tensor], torch.Tensor]:
-    """dz for `_gradient_into_logits_` of -log softmax(z)[target]: softmax(z) - one_hot(target)."""
-    minus_one = torch.full_like(lse, -1.0)
-
-    def dz(cols: slice, z: torch.Tensor) -> torch.Tensor:
-        p = z.sub_(lse).exp_()
-        _add_at_targets_(p, cols, targets, minus_one)
-        return p
-
-    return dz
-
-
 def _loss_only(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, head: _Head
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor, head: Head
 ) -> torch.Tensor:
     """The summed loss, chunk by chunk, without gradients (fp32 scalar)."""
     dtype = head.compute_dtype
     weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
     for rows in _chunk_rows(labels, head):
-        logits = _logits(hidden[rows].to(dtype), weight, bias, head)
-        top, log_sum = _normaliser(logits, head)
-        total -= _z(logits.gather(1, labels[rows].unsqueeze(1)), head).sub_(top).sub_(log_sum).sum()
+        logits = logits_of(hidden[rows].to(dtype), weight, bias, head)
+        top, log_sum = normaliser(logits, head)
+        total -= z_of(logits.gather(1, labels[rows].unsqueeze(1)), head).sub_(top).sub_(log_sum).sum()
         del logits
     return total
 
@@ -405,7 +240,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         labels: torch.Tensor,
         divisor: torch.Tensor | int | None,
-        head: _Head,
+        head: Head,
     ) -> torch.Tensor:
         needs_hidden, needs_weight, needs_bias = ctx.needs_input_grad[:3]
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
@@ -452,7 +287,7 @@ def _fused(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     labels: torch.Tensor,
-    head: _Head,
+    head: Head,
     needs_hidden: bool,
     needs_weight: bool,
     needs_bias: bool,
@@ -480,11 +315,11 @@ def _fused(
     for rows in chunks:
         hidden_c = hidden[rows].to(dtype)  # a slice of hidden in its dtype is a view, no copy
         targets = labels[rows].unsqueeze(1)
-        logits = _logits(hidden_c, weight_c, bias_c, head)
-        top, log_sum = _normaliser(logits, head)
+        logits = logits_of(hidden_c, weight_c, bias_c, head)
+        top, log_sum = normaliser(logits, head)
         lse = top.add_(log_sum)  # log-sum-exp of z
-        total -= _z(logits.gather(1, targets), head).sub_(lse).sum()
-        grad_logits = _gradient_into_logits_(logits, head, 1.0, _softmax_minus_one_hot(lse, targets))
+        total -= z_of(logits.gather(1, targets), head).sub_(lse).sum()
+        grad_logits = gradient_into_logits_(logits, head, 1.0, softmax_minus_one_hot(lse, targets))
         if grad_hidden is not None:
             if isinstance(rows, slice):
                 torch.mm(grad_logits, weight_c, out=grad_hidden[rows])

@@ -12,9 +12,9 @@ fastckpt.linear_cross_entropy) does not apply as is. Two facts make most of it a
 - the weight's gradient sums over tokens with those incoming factors, so a trained head (or an entropy that
   gets a gradient) recomputes each chunk's logits in backward, one chunk at a time as in the forward.
 
-Per chunk its logits in the compute dtype are the only [tokens, vocab] buffer, as in linear_cross_entropy
-(fastckpt.loss): the normaliser, the entropy and the rest, and the gradient run over vocabulary slices in fp32
-temporaries of fastckpt.loss.SLICE_BYTES, the gradient written back into the logits' buffer. The logits are
+Per chunk its logits in the compute dtype are the only [tokens, vocab] buffer, as in linear_cross_entropy: the
+normaliser, the entropy and the rest, and the gradient run over vocabulary slices in fp32 temporaries of
+chunks.SLICE_BYTES, the gradient written back into the logits' buffer. The logits are
 transformed as `z = softcap * tanh(logit_scale * logits / softcap) / temperature` (each step only where given);
 the probabilities, entropy and the rest are those of `softmax(z)`, in fp32.
 """
@@ -27,16 +27,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fastckpt.loss import (
-    _add_at_targets_,
-    _compute_dtype,
-    _gradient_into_logits_,
-    _Head,
-    _logits,
-    _normaliser,
-    _softmax_minus_one_hot,
-    _z,
+from fastckpt.heads.chunks import (
+    Head,
+    add_at_targets_,
     default_chunk_size,
+    gradient_into_logits_,
+    head_dtype,
+    logits_of,
+    normaliser,
+    softmax_minus_one_hot,
+    z_of,
 )
 
 _NAME = "fastckpt.linear_log_probs: "
@@ -66,7 +66,7 @@ def linear_log_probs(
     outputs: tuple[str, ...] = ("log_probs",),
 ) -> TokenLogProbs:
     """Per-token `log_softmax(z)[label]` (and what `outputs` names of OUTPUTS) for `z` the transformed logits of
-    `hidden @ weight.T + bias`, `chunk_size` tokens at a time (default: `fastckpt.loss.default_chunk_size`).
+    `hidden @ weight.T + bias`, `chunk_size` tokens at a time (default: `fastckpt.heads.default_chunk_size`).
 
     `hidden` is `[..., H]`, `weight` `[V, H]`, `labels` integer `hidden.shape[:-1]` with values in `[0, V)` (mask
     ignored positions yourself: every position is scored). The head's matmuls run in autocast's dtype (or the
@@ -97,10 +97,10 @@ def linear_log_probs(
         raise ValueError(f"{_NAME}`chunk_size` must be None (the default) or an int >= 1, got {chunk_size!r}")
     trained = torch.is_grad_enabled() and (weight.requires_grad or (bias is not None and bias.requires_grad))
     try:
-        compute_dtype = _compute_dtype(hidden, weight, bias)
+        compute_dtype = head_dtype(hidden, weight, bias, _NAME)
     except TypeError as error:  # worded for linear_cross_entropy, whose dtype rule this is
         raise TypeError(str(error).replace("fastckpt.linear_cross_entropy: ", _NAME)) from None
-    head = _Head(
+    head = Head(
         compute_dtype=compute_dtype,
         ignore_index=-1,  # unused: every position is scored
         softcap=None if softcap is None else float(softcap),
@@ -116,7 +116,7 @@ def linear_log_probs(
 
 class _Statistics:
     """What `linear_log_probs` reads off a chunk's softmax besides the log-probabilities, summed per row over the
-    vocabulary slices `_normaliser` passes (`shifted` = z - max z, `e` = exp(shifted))."""
+    vocabulary slices `normaliser` passes (`shifted` = z - max z, `e` = exp(shifted))."""
 
     def __init__(self, wanted: frozenset[str], rows: int, device: torch.device) -> None:
         def zeros() -> torch.Tensor:
@@ -142,7 +142,7 @@ def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def _times(dz: Callable, factor: torch.Tensor) -> Callable:
-    """`dz` (of `_gradient_into_logits_`) scaled per row."""
+    """`dz` (of `gradient_into_logits_`) scaled per row."""
     return lambda cols, z: dz(cols, z).mul_(factor)
 
 
@@ -156,7 +156,7 @@ def _with_entropy(
         log_p = z.sub_(lse)
         p = log_p.exp()
         grad = log_p.add_(entropy).mul_(g_ent).add_(g_lp).mul_(p).neg_()  # -p * (g_lp + g_ent * (log p + H))
-        _add_at_targets_(grad, cols, targets, g_lp)
+        add_at_targets_(grad, cols, targets, g_lp)
         return grad
 
     return dz
@@ -170,7 +170,7 @@ class _LinearLogProbs(torch.autograd.Function):
         weight: torch.Tensor,
         bias: torch.Tensor | None,
         labels: torch.Tensor,
-        head: _Head,
+        head: Head,
         temperature: float,
         wanted: frozenset[str],
     ) -> tuple[torch.Tensor | None, ...]:
@@ -193,13 +193,13 @@ class _LinearLogProbs(torch.autograd.Function):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
                 # each chunk's rows in the compute dtype (a view where hidden has it), as linear_cross_entropy's
-                logits = _logits(hidden[rows].to(dtype), weight_c, bias_c, head)
+                logits = logits_of(hidden[rows].to(dtype), weight_c, bias_c, head)
                 stats = _Statistics(wanted, stop - start, device)
-                top, log_sum = _normaliser(logits, head, temperature, stats.each if stats.needed else None)
+                top, log_sum = normaliser(logits, head, temperature, stats.each if stats.needed else None)
                 lse = top + log_sum
                 if saved_lse is not None:
                     saved_lse[rows] = lse
-                out["log_probs"][rows] = (_z(logits.gather(1, targets), head, temperature) - lse).squeeze(1)
+                out["log_probs"][rows] = (z_of(logits.gather(1, targets), head, temperature) - lse).squeeze(1)
                 if "is_top1" in wanted:  # the transform is increasing: z's argmax is the logits'
                     out["is_top1"][rows] = logits.argmax(dim=1) == targets.squeeze(1)
                 if "mean_logits" in wanted:
@@ -209,7 +209,7 @@ class _LinearLogProbs(torch.autograd.Function):
                 if "log_sum_sq_probs" in wanted:  # sum p^2 = sum e^2 / sum(e)^2
                     out["log_sum_sq_probs"][rows] = (stats.e_squared.log() - 2 * log_sum).squeeze(1)
                 if per_row:  # (p - one_hot(label)) @ weight = -(d log p(label) / d hidden): negated in backward
-                    _gradient_into_logits_(logits, head, temperature, _softmax_minus_one_hot(lse, targets))
+                    gradient_into_logits_(logits, head, temperature, softmax_minus_one_hot(lse, targets))
                     torch.mm(logits, weight_c, out=d_rows[rows])
                 del logits, lse  # before the next chunk's
         ctx.save_for_backward(hidden if recompute else None, weight, bias, labels, out.get("entropy"), saved_lse)
@@ -241,13 +241,13 @@ class _LinearLogProbs(torch.autograd.Function):
                 stop = min(start + head.chunk_size, n)
                 rows, targets = slice(start, stop), labels[start:stop].unsqueeze(1)
                 hidden_c = hidden[rows].to(dtype)
-                logits, lse = _logits(hidden_c, weight_c, bias_c, head), saved_lse[rows]
+                logits, lse = logits_of(hidden_c, weight_c, bias_c, head), saved_lse[rows]
                 g = None if grad_log_probs is None else grad_log_probs[rows].unsqueeze(1)
                 if grad_entropy is None:
-                    dz = _times(_softmax_minus_one_hot(lse, targets), -g)
+                    dz = _times(softmax_minus_one_hot(lse, targets), -g)
                 else:
                     dz = _with_entropy(lse, targets, g, grad_entropy[rows].unsqueeze(1), entropy[rows].unsqueeze(1))
-                grad_logits = _gradient_into_logits_(logits, head, temperature, dz)
+                grad_logits = gradient_into_logits_(logits, head, temperature, dz)
                 if recomputed is not None:
                     torch.mm(grad_logits, weight_c, out=recomputed[rows])
                 if grad_weight is not None:  # summed over chunks in fp32, as linear_cross_entropy's

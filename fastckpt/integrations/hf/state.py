@@ -30,7 +30,7 @@ class ModelState:
     loss_record: list | None = None
     loss_head_warned: bool = False
     # TRL's fused head served (trl_head.py): said once that it is, or why not; said once that mixed dtypes leave
-    # it to TRL; this call's _TiedGradient, from the backbone's pre-hook to the kernel
+    # it to TRL; this call's TiedGradient, from the backbone's pre-hook to the kernel
     trl_said: bool = False
     trl_said_mixed: bool = False
     trl_tied: Any = None

@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 
+from fastckpt.heads import TiedGradient, linear_log_probs
 from fastckpt.integrations.hf import gateway, state
-from fastckpt.integrations.hf.loss_head import _tied_embedding, _TiedGradient, loss_head_enabled
-from fastckpt.log_probs import linear_log_probs
+from fastckpt.integrations.hf.loss_head import _tied_embedding, loss_head_enabled
 
 _LOG = logging.getLogger("fastckpt")
 _served: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the PreTrainedModels whose head fastckpt serves
@@ -151,8 +151,8 @@ def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tu
         return
     _served.add(model)
     embedding = _tied_embedding(model, model.get_output_embeddings())
-    if embedding is not None and torch.is_grad_enabled():  # a trained tied head: see _TiedGradient
-        tied = state.of(model).trl_tied = _TiedGradient(embedding)
+    if embedding is not None and torch.is_grad_enabled():  # a trained tied head: see TiedGradient
+        tied = state.of(model).trl_tied = TiedGradient(embedding)
         tied.begin()
 
         def end(*_: Any) -> None:  # after the backbone's forward, even one that raised
