@@ -17,7 +17,7 @@ peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
 from fastckpt.integrations import hf  # noqa: E402
-from fastckpt.integrations.hf import trl_head  # noqa: E402
+from fastckpt.integrations.hf import gateway, trl_head  # noqa: E402
 from tests.helpers import tiny_decoder_config  # noqa: E402
 
 VOCAB = 96
@@ -276,7 +276,7 @@ def test_what_is_not_served_is_reported(monkeypatch, kernels, why):
     trl.trainer.utils.add_fused_lm_head(model, cast_lm_head_to_fp32=why == "an fp32 head cast")
     hf.enable(model, **HEAD)
     if why == "no kernel in this TRL":
-        monkeypatch.setattr(trl_head, "_KERNEL", "_not_in_this_release")
+        monkeypatch.setattr(gateway, "TRL_KERNEL", "_not_in_this_release")
         assert "_not_in_this_release" not in trl_head.trl_forward(model).__code__.co_names
     elif why == "a DTensor head":  # FSDP2 / tensor parallel: TRL gathers the weight into a new tensor
         monkeypatch.setattr(trl_head, "_is_dtensor", lambda tensor: tensor is model.lm_head.weight)
