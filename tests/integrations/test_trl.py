@@ -237,6 +237,25 @@ def test_ignored_positions_skip_the_head(monkeypatch):
         torch.testing.assert_close(grad, ref, rtol=1e-4, atol=1e-6)
 
 
+def test_scored_positions_follow_shift_labels_and_only_this_call(monkeypatch):
+    """The scored positions come from the call's labels: pre-shifted `shift_labels` are scored unshifted, and a
+    later call of `forward` without the model's hooks gets every position scored (no mask of an earlier call)."""
+    scored = []
+    ours = trl_head.linear_log_probs
+    monkeypatch.setattr(trl_head, "linear_log_probs", lambda h, *a, **k: scored.append(h.shape[0]) or ours(h, *a, **k))
+    served, other = _model(), _model()
+    for model in (served, other):
+        trl.trainer.utils.add_fused_lm_head(model)
+    hf.enable(served, **HEAD)
+    ids = torch.randint(2, VOCAB, (2, 10), generator=torch.Generator().manual_seed(3))
+    shifted = ids.clone()
+    shifted[0, :6] = -100
+    for call in ("__call__", "forward"):
+        out = {m: getattr(m, call)(input_ids=ids, shift_labels=shifted, fused_lm_head=True) for m in (served, other)}
+        torch.testing.assert_close(out[served].log_probs, out[other].log_probs, rtol=1e-5, atol=1e-5)
+    assert scored == [int((shifted != -100).sum()), shifted.numel()]
+
+
 def test_a_tied_embeddings_gradient_is_added_into_the_served_heads(monkeypatch):
     """A full fine-tune of a tied model under TRL's fused head: the embedding's gradient goes into the head's in
     place (no second [vocab, hidden] gradient), with TRL's gradients; the embedding is left as it was."""

@@ -78,19 +78,28 @@ def forward_hooks(module: torch.nn.Module) -> Iterator[tuple[int, Callable, Call
         yield key, hook, remover(key)
 
 
-@_internal("torch", "Module._forward_pre_hooks",
-           "trl_head.stop() finds and removes the backbone pre-hook serve() registered without keeping its handle "
+@_internal("torch", "Module._forward_pre_hooks, _forward_pre_hooks_with_kwargs",
+           "trl_head.stop() finds and removes the hooks serve() registered without keeping their handles "
            "(a handle would not follow copy.deepcopy of the model)",
            "RuntimeError at stop()/disable() naming this torch")  # fmt: skip
-def forward_pre_hooks(module: torch.nn.Module) -> dict[int, Callable]:
-    """`module`'s forward pre-hooks by key (the dictionary itself: deleting a key removes the hook)."""
+def forward_pre_hooks(module: torch.nn.Module) -> Iterator[tuple[int, Callable, Callable[[], None]]]:
+    """(key, hook, remove) for each forward pre-hook of `module`; `remove()` unregisters it."""
     hooks = getattr(module, "_forward_pre_hooks", None)
     if hooks is None:
         raise RuntimeError(
             f"fastckpt.integrations.hf: this torch ({torch.__version__}) keeps no Module._forward_pre_hooks; the TRL "
             f"head cannot be removed (checked on torch {CHECKED['torch']})"
         )
-    return hooks
+
+    def remover(key: int) -> Callable[[], None]:
+        def remove() -> None:
+            for name in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+                getattr(module, name, {}).pop(key, None)
+
+        return remove
+
+    for key, hook in list(hooks.items()):
+        yield key, hook, remover(key)
 
 
 # --- transformers ------------------------------------------------------------------------------------------------
@@ -223,18 +232,3 @@ def trl_kernel() -> Any:
 
 def set_trl_kernel(kernel: Any) -> None:
     setattr(sys.modules[TRL_UTILS], TRL_KERNEL, kernel)
-
-
-@_internal("trl", f"the locals `mask` and `compact` of {TRL_FUSED_FORWARD}, read from the kernel's caller's frame",
-           "skipping the head's work on positions TRL does not score (without Triton TRL passes every position)",
-           "every position is computed (TRL zeroes the unscored ones), as TRL's own kernel does")  # fmt: skip
-def trl_scored_mask(depth: int) -> torch.Tensor | None:
-    """The label mask of TRL's fused forward when it is the frame `depth` levels above the caller and passed every
-    position (`compact` False); None otherwise."""
-    caller = sys._getframe(depth + 1)
-    if caller.f_code.co_name != TRL_FUSED_FORWARD or caller.f_globals.get("__name__") != TRL_UTILS:
-        return None
-    mask = caller.f_locals.get("mask")
-    if caller.f_locals.get("compact") is not False or not isinstance(mask, torch.Tensor):
-        return None
-    return mask

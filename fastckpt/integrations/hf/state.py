@@ -30,10 +30,12 @@ class ModelState:
     loss_record: list | None = None
     loss_head_warned: bool = False
     # TRL's fused head served (trl_head.py): said once that it is, or why not; said once that mixed dtypes leave
-    # it to TRL; this call's TiedGradient, from the backbone's pre-hook to the kernel
+    # it to TRL; this call's TiedGradient, from the backbone's pre-hook to the kernel; this call's mask of the
+    # positions TRL scores, from the model's pre-hook to the kernel
     trl_said: bool = False
     trl_said_mixed: bool = False
     trl_tied: Any = None
+    trl_scored: torch.Tensor | None = None
     # enable(budget=) (planning.py): the applied Plan; every plan kept, [(the planned call's tensor shapes by name,
     # Plan)]; the first-batch hook's handle; True while the planning steps run
     plan: Any = None

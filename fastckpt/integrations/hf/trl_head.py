@@ -10,11 +10,11 @@ One head per model, never two: for a model whose loss head is on, TRL's per-toke
 `_ChunkedLogProbFunction`, which the patched forward looks up at each call) is replaced by
 `fastckpt.linear_log_probs`, with TRL's temperature, soft cap and logit scale. Everything else in TRL's forward
 (the backbone call, MoE auxiliary losses, the outputs it assembles) stays TRL's; where TRL hands the kernel every
-position (no Triton: CPU, MPS) only the counted ones go through fastckpt's head (`_scored_rows`).
-The replacement dispatches on the head's weight: other models (a reference model, models without
-`loss_head=True`) get TRL's own kernel unchanged. It is installed by a forward pre-hook on the model's backbone,
-which runs inside TRL's forward before the kernel is looked up, so the order of `enable` and the trainer's
-construction does not matter. It says so once per model (logging, `fastckpt` logger). A TRL whose patched
+position (no Triton: CPU, MPS) only the counted ones go through fastckpt's head (`_scored_rows`, from the labels
+the model is called with). The replacement dispatches on the head's weight: other models (a reference model,
+models without `loss_head=True`) get TRL's own kernel unchanged. It is installed by a forward pre-hook on the
+model's backbone, which runs inside TRL's forward before the kernel is looked up, so the order of `enable` and
+the trainer's construction does not matter. It says so once per model (logging, `fastckpt` logger). A TRL whose patched
 forward does not call that kernel, and a head whose weight is a DTensor (FSDP2, tensor parallel: TRL gathers it
 into a new tensor, which the dispatch does not recognise) and TRL's `cast_lm_head_to_fp32=True` on a head of
 another dtype (fp32 hidden states outside autocast) are reported with a warning, once: TRL's head computes there.
@@ -86,7 +86,7 @@ class _ServedKernel:
             return cls.trl_kernel.apply(
                 hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping, logit_scale, outputs
             )
-        rows = _scored_rows(gateway.trl_scored_mask(depth=1), hidden)
+        rows = _scored_rows(state.read(model).trl_scored, hidden)
         # TRL's chunk_size counts vocabulary columns per tile; fastckpt's chunks are of tokens (a plan's, or the
         # default).
         per_token = linear_log_probs(
@@ -114,16 +114,34 @@ def _scored_rows(mask: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tenso
     """The positions TRL's forward (the kernel's caller) counts, when it passed every position.
 
     Without Triton (CPU, MPS) TRL hands the kernel every position, labels -100 clamped to 0, and zeroes the
-    ignored ones afterwards; their head work (padding, prompts, each sequence's last position) is wasted. Its
-    label mask (`gateway.trl_scored_mask`: a local of that forward; the kernel's arguments cannot tell an ignored
-    position from a label 0) gives the indices of its true positions, else None (TRL passed only the counted
-    positions, or this TRL's forward has no such local: every position is scored)."""
+    ignored ones afterwards; their head work (padding, prompts, each sequence's last position) is wasted. The
+    kernel's arguments cannot tell an ignored position from a label 0: `mask` is TRL's label mask, derived from the
+    labels of this model call (`_note_scored`). The indices of its true positions, else None (no mask: the model's
+    forward was called without its hooks; TRL passed only the counted positions; all are counted)."""
     if mask is None or hidden.device.type not in ("cpu", "cuda", "mps"):  # XLA: a shape per batch recompiles
         return None
-    if mask.dtype != torch.bool or mask.numel() != hidden.shape[0]:
+    if mask.numel() != hidden.shape[0]:  # TRL passed the counted positions only (Triton)
         return None
-    rows = mask.reshape(-1).nonzero().squeeze(1)
+    rows = mask.to(hidden.device).reshape(-1).nonzero().squeeze(1)
     return None if rows.numel() == hidden.shape[0] else rows
+
+
+def _note_scored(model: torch.nn.Module, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """The model's forward pre-hook (with keyword arguments): for a call of TRL's fused head, note which positions
+    it scores. TRL documents them (`add_fused_lm_head`): those whose next-token label is not -100, the labels
+    shifted by one (`labels[:, 1:]`) unless the caller passes them pre-shifted as `shift_labels`; the mask below is
+    TRL's own (`labels != -100` on the shifted labels), so no frame of TRL's is read."""
+    labels = kwargs.get("shift_labels")
+    if labels is None and kwargs.get("labels") is not None:
+        labels = kwargs["labels"][:, 1:]
+    served = kwargs.get("fused_lm_head") and isinstance(labels, torch.Tensor)
+    state.of(model).trl_scored = (labels != -100) if served else None
+
+
+def _forget_scored(model: torch.nn.Module, module: torch.nn.Module, args: tuple, output: Any) -> None:
+    """The model's forward hook (always called): the mask is this call's only, so that a later call of the
+    model's `forward` without its hooks finds none rather than a stale one."""
+    state.of(model).trl_scored = None
 
 
 def _before_backbone(model: torch.nn.Module, backbone: torch.nn.Module, args: tuple) -> None:
@@ -200,23 +218,40 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-def _hook_keys(model: torch.nn.Module) -> list[int]:
-    hooks = gateway.forward_pre_hooks(model.base_model)
-    return [key for key, hook in hooks.items() if getattr(hook, "__func__", None) is _before_backbone]
+_HOOKS = (  # what serve() registers: (the module it is on, the torch hook kind, the function)
+    (lambda model: model.base_model, gateway.forward_pre_hooks, _before_backbone),
+    (lambda model: model, gateway.forward_pre_hooks, _note_scored),
+    (lambda model: model, gateway.forward_hooks, _forget_scored),
+)
+
+
+def _registered(model: torch.nn.Module) -> list[Any]:
+    """The `remove()`s of the hooks serve() registered on `model` (found by their function: bound to the model,
+    they follow a deep copy of it, which a handle would not)."""
+    return [
+        remove
+        for module_of, hooks, function in _HOOKS
+        for _, hook, remove in hooks(module_of(model))
+        if getattr(hook, "__func__", None) is function
+    ]
 
 
 def serve(model: torch.nn.Module) -> None:
     """Serve TRL's fused head for `model` (a PreTrainedModel with the loss head on) whenever TRL installs one."""
-    if not _hook_keys(model):
-        model.base_model.register_forward_pre_hook(types.MethodType(_before_backbone, model))
+    if _registered(model):
+        return
+    model.base_model.register_forward_pre_hook(types.MethodType(_before_backbone, model))
+    model.register_forward_pre_hook(types.MethodType(_note_scored, model), with_kwargs=True)
+    model.register_forward_hook(types.MethodType(_forget_scored, model), always_call=True)
 
 
 def stop(model: torch.nn.Module) -> None:
     """Leave TRL's fused head of `model` to TRL again."""
-    for key in _hook_keys(model):
-        del gateway.forward_pre_hooks(model.base_model)[key]
+    for remove in _registered(model):
+        remove()
     _served.discard(model)
     if not _served and gateway.trl_kernel() is _ServedKernel:  # the last model served: TRL's kernel back
         gateway.set_trl_kernel(_ServedKernel.trl_kernel)
     kept = state.read(model)
     kept.trl_said = kept.trl_said_mixed = False
+    kept.trl_scored = None
