@@ -41,7 +41,7 @@ def causal_lm(model: torch.nn.Module) -> torch.nn.Module:
 
 def hf_gc(model: torch.nn.Module, **kwargs) -> None:
     """HF gradient checkpointing as users turn it on (torch's non-reentrant checkpoint)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, **kwargs})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False, **kwargs})
 
 
 def fastckpt(policy: str, loss_head: bool, padded: bool = False, **options: Any) -> Callable[[torch.nn.Module], None]:

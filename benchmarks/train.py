@@ -195,7 +195,7 @@ def train_lora(name: str, data: torch.Tensor, val: list[torch.Tensor], steps: in
     model = peft.get_peft_model(transformers.LlamaForCausalLM(config), adapters).to(device).train()
     setting = LORA_CONFIGS[name]
     if setting == "HF GC":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     elif setting is not None:
         hf.enable(model, policy=setting, loss_head=True, padded_attention=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)

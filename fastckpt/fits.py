@@ -337,7 +337,7 @@ def _step(model: Any, tokens: int, vocab: int, device: torch.device, autocast: b
 
 def _prepare(model: Any, policy: str | None) -> None:  # policy None: HF GC
     if policy is None:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         from fastckpt.integrations import hf
         from fastckpt.integrations.hf import gateway

@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fastckpt.integrations import hf  # noqa: E402
-from fastckpt.integrations.hf.tiled_mlp import MIN_TILE, _TiledMLP  # noqa: E402
+from fastckpt.integrations.hf.tiled_mlp import MIN_TILE, TiledMLPs  # noqa: E402
 from fastckpt.memory import peak_bytes  # noqa: E402
 from tests.helpers import max_rel_l2, tiny_decoder_config  # noqa: E402
 
@@ -41,7 +41,7 @@ def test_tiled_mlps_give_the_untiled_loss_and_gradients(adapters):
     plain = hf.enable(wrap(llama()), "recompute", tile_mlp=False)
     loss, grads = loss_and_grads(plain)
     tiled = hf.enable(wrap(llama()), "recompute", tile_mlp=24)  # tiles of 24, 24 and 16 tokens
-    assert _TiledMLP.tiles(tiled) == [24] * LAYERS
+    assert TiledMLPs.tiles(tiled) == [24] * LAYERS
     tiled_loss, tiled_grads = loss_and_grads(tiled)
     torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=1e-6)
     assert max_rel_l2(tiled_grads, grads) < 1e-5
@@ -50,13 +50,13 @@ def test_tiled_mlps_give_the_untiled_loss_and_gradients(adapters):
 def test_tiles_are_on_by_default_under_a_recompute_policy_and_undone_by_disable():
     model = llama()
     hf.enable(model, "recompute+int8")
-    assert _TiledMLP.tiles(model) == [MIN_TILE] * LAYERS  # hidden 32 < MIN_TILE
+    assert TiledMLPs.tiles(model) == [MIN_TILE] * LAYERS  # hidden 32 < MIN_TILE
     hf.enable(model, "int8")  # a storage policy keeps the MLP's saves: no extra forward unless asked
-    assert _TiledMLP.tiles(model) == []
+    assert TiledMLPs.tiles(model) == []
     hf.enable(model, "int8", tile_mlp=True)
-    assert _TiledMLP.tiles(model) == [MIN_TILE] * LAYERS
+    assert TiledMLPs.tiles(model) == [MIN_TILE] * LAYERS
     hf.disable(model)
-    assert _TiledMLP.tiles(model) == [] and all("forward" not in m.__dict__ for m in model.modules())
+    assert TiledMLPs.tiles(model) == [] and all("forward" not in m.__dict__ for m in model.modules())
 
 
 def test_a_long_rows_recomputed_layer_holds_one_tile_of_its_mlp():
@@ -101,7 +101,7 @@ def test_other_families_tile_their_mlps_to_the_same_gradients(family):
 
     loss, grads = loss_and_grads(hf.enable(model(), "recompute", tile_mlp=False), tokens=40)
     tiled = hf.enable(model(), "recompute", tile_mlp=16)
-    assert len(_TiledMLP.tiles(tiled)) == LAYERS
+    assert len(TiledMLPs.tiles(tiled)) == LAYERS
     tiled_loss, tiled_grads = loss_and_grads(tiled, tokens=40)
     torch.testing.assert_close(tiled_loss, loss, rtol=1e-6, atol=1e-6)
     assert max_rel_l2(tiled_grads, grads) < 1e-5

@@ -1,5 +1,5 @@
-"""PEFT LoRA's input casts that autocast undoes, switched off while it runs (`_AdapterInputCasts`, installed by
-`enable`)."""
+"""PEFT LoRA's input casts that autocast undoes, switched off while it runs (`AdapterInputCasts`, a patch
+`enable` installs: patches.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import weakref
 import torch
 
 from fastckpt.integrations.hf import gateway
+from fastckpt.integrations.hf.patches import Patch, Settings
 
 
-class _AdapterInputCasts:
+class _CastUnlessAutocast:
     """PEFT's `cast_input_dtype_enabled` of a vanilla LoRA `Linear` (no dropout, no DoRA-like variant), made
     false while autocast runs on the adapter's device.
 
@@ -46,14 +47,22 @@ class _AdapterInputCasts:
             and all(isinstance(d, torch.nn.Identity) for d in module.lora_dropout.values())
         )
 
-    @classmethod
-    def install(cls, model: torch.nn.Module) -> None:
-        for module in model.modules():
-            if cls._eligible(module):
-                gateway.set_adapter_input_cast(module, cls(module))
 
-    @staticmethod
-    def remove(model: torch.nn.Module) -> None:
-        for module in model.modules():
-            if isinstance(gateway.adapter_input_cast(module), _AdapterInputCasts):
+class AdapterInputCasts(Patch):
+    """Every eligible LoRA layer's input-cast flag replaced by a `_CastUnlessAutocast` (always wanted)."""
+
+    @classmethod
+    def wanted(cls, settings: Settings) -> bool:
+        return True
+
+    @classmethod
+    def install(cls, pretrained: torch.nn.Module, settings: Settings) -> None:
+        for module in pretrained.modules():
+            if _CastUnlessAutocast._eligible(module):
+                gateway.set_adapter_input_cast(module, _CastUnlessAutocast(module))
+
+    @classmethod
+    def remove(cls, pretrained: torch.nn.Module) -> None:
+        for module in pretrained.modules():
+            if isinstance(gateway.adapter_input_cast(module), _CastUnlessAutocast):
                 gateway.set_adapter_input_cast(module, True)

@@ -37,6 +37,7 @@ from torch.utils._pytree import tree_map_only
 
 from fastckpt import _compat
 from fastckpt.integrations.hf import gateway, state
+from fastckpt.integrations.hf.patches import Patch, Settings
 
 NAME = "fastckpt_sdpa"
 _CHECK_ELEMENTS = 1 << 22  # mask elements compared at a time while recognising (bounds the check's memory)
@@ -470,54 +471,64 @@ def attention(
     return torch.cat(out, dim=0), None
 
 
-def check(model: torch.nn.Module) -> None:
-    """ValueError, naming the fix, unless `model`'s attention implementation is "sdpa" (or already NAME);
-    RuntimeError where this torch lacks what the mask form's ops need."""
-    _compat.require("disable_torch_function_subclass")
-    current = gateway.attention_implementations(model)
-    if not current or not current <= {"sdpa", NAME}:
-        without_sdpa = sorted(
-            {type(m).__name__ for m in model.modules() if getattr(type(m), "_supports_sdpa", None) is False}
-        )
-        if without_sdpa and current:  # loading it with sdpa is not a fix there
-            raise ValueError(
-                f"fastckpt.integrations.hf.enable(padded_attention=True): transformers has no sdpa attention for "
-                f"{', '.join(without_sdpa)} (padded attention replaces sdpa's); enable without padded_attention"
+class PaddedAttention(Patch):
+    """`enable(padded_attention=True)`: the model's "sdpa" attention switched to NAME (`attention` above)."""
+
+    @classmethod
+    def wanted(cls, settings: Settings) -> bool:
+        return settings.padded_attention
+
+    @classmethod
+    def check(cls, model: torch.nn.Module, settings: Settings | None = None) -> None:
+        """ValueError, naming the fix, unless `model`'s attention implementation is "sdpa" (or already NAME);
+        RuntimeError where this torch lacks what the mask form's ops need."""
+        _compat.require("disable_torch_function_subclass")
+        current = gateway.attention_implementations(model)
+        if not current or not current <= {"sdpa", NAME}:
+            without_sdpa = sorted(
+                {type(m).__name__ for m in model.modules() if getattr(type(m), "_supports_sdpa", None) is False}
             )
-        raise ValueError(
-            f"fastckpt.integrations.hf.enable(padded_attention=True): the model's attention implementation is "
-            f"{sorted(map(str, current))}, padded attention replaces 'sdpa'; load the model with "
-            "attn_implementation='sdpa' or enable without padded_attention"
+            if without_sdpa and current:  # loading it with sdpa is not a fix there
+                raise ValueError(
+                    f"fastckpt.integrations.hf.enable(padded_attention=True): transformers has no sdpa attention for "
+                    f"{', '.join(without_sdpa)} (padded attention replaces sdpa's); enable without padded_attention"
+                )
+            raise ValueError(
+                f"fastckpt.integrations.hf.enable(padded_attention=True): the model's attention implementation is "
+                f"{sorted(map(str, current))}, padded attention replaces 'sdpa'; load the model with "
+                "attn_implementation='sdpa' or enable without padded_attention"
+            )
+        # transformers switches only models whose attention goes through its AttentionInterface (others, e.g.
+        # Falcon, keep their own sdpa code and only log a warning); refuse those before anything changes.
+        fixed = sorted(
+            {type(module).__name__ for module in model.modules() if not gateway.attention_switchable(module)}
         )
-    # transformers switches only models whose attention goes through its AttentionInterface (others, e.g.
-    # Falcon, keep their own sdpa code and only log a warning); refuse those before anything changes.
-    fixed = sorted({type(module).__name__ for module in model.modules() if not gateway.attention_switchable(module)})
-    if fixed:
-        raise ValueError(
-            f"fastckpt.integrations.hf.enable(padded_attention=True): the attention implementation of "
-            f"{', '.join(fixed)} cannot be switched (the attention does not go through transformers' "
-            "AttentionInterface); enable without padded_attention"
-        )
+        if fixed:
+            raise ValueError(
+                f"fastckpt.integrations.hf.enable(padded_attention=True): the attention implementation of "
+                f"{', '.join(fixed)} cannot be switched (the attention does not go through transformers' "
+                "AttentionInterface); enable without padded_attention"
+            )
 
+    @classmethod
+    def install(cls, model: torch.nn.Module, settings: Settings | None = None) -> None:
+        """Switch `model` (a PreTrainedModel using "sdpa") to NAME."""
+        cls.check(model)
+        register()
+        model.set_attn_implementation(NAME)
+        left = gateway.attention_implementations(model) - {NAME}
+        if left:
+            model.set_attn_implementation("sdpa")
+            raise ValueError(
+                f"fastckpt.integrations.hf.enable(padded_attention=True): {type(model).__name__} did not switch its "
+                f"attention implementation (still {sorted(map(str, left))}); enable without padded_attention"
+            )
 
-def install(model: torch.nn.Module) -> None:
-    """Switch `model` (a PreTrainedModel using "sdpa") to NAME."""
-    check(model)
-    register()
-    model.set_attn_implementation(NAME)
-    left = gateway.attention_implementations(model) - {NAME}
-    if left:
-        model.set_attn_implementation("sdpa")
-        raise ValueError(
-            f"fastckpt.integrations.hf.enable(padded_attention=True): {type(model).__name__} did not switch its "
-            f"attention implementation (still {sorted(map(str, left))}); enable without padded_attention"
-        )
-
-
-def remove(model: torch.nn.Module) -> None:
-    """Give `model` back HF's "sdpa" if NAME is installed."""
-    if installed(model):
-        model.set_attn_implementation("sdpa")
+    @classmethod
+    def remove(cls, model: torch.nn.Module) -> None:
+        """Give `model` back HF's "sdpa" if NAME is installed."""
+        if installed(model):
+            model.set_attn_implementation("sdpa")
 
 
 def installed(model: torch.nn.Module) -> bool:

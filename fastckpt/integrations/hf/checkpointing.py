@@ -9,8 +9,10 @@ the model's own `activation_checkpointing_enable` on this instance, so that a la
 (which is what `transformers.Trainer` does for `gradient_checkpointing=True`) keeps using fastckpt
 instead of silently switching back to torch's function.
 
-`enable` also switches on or off what the other files of this package hold: the loss head (loss_head.py),
-padded attention (attention.py), LoRA's input casts (adapters.py) and the first-batch plan (planning.py).
+`enable` also switches on or off what the other files of this package hold, each a `Patch` (patches.py) in
+PATCHES: padded attention (attention.py), the loss head (loss_head.py) and TRL's (trl_head.py), LoRA's input
+casts (adapters.py), the tiled MLPs (tiled_mlp.py), the optimizer step in the backward (trainer.py); and the
+first-batch plan (planning.py), which the checkpointing switch itself installs (Trainer calls it again).
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ from typing import Any
 import torch
 
 from fastckpt.api import checkpoint
-from fastckpt.integrations.hf import attention, gateway, state, trl_head
-from fastckpt.integrations.hf.adapters import _AdapterInputCasts
-from fastckpt.integrations.hf.loss_head import _LossHead
+from fastckpt.integrations.hf import gateway, state
+from fastckpt.integrations.hf.adapters import AdapterInputCasts
+from fastckpt.integrations.hf.attention import PaddedAttention
+from fastckpt.integrations.hf.loss_head import LossHead
+from fastckpt.integrations.hf.patches import Settings
 from fastckpt.integrations.hf.planning import _FirstBatchPlan
 from fastckpt.integrations.hf.pretrained import _pretrained_model
-from fastckpt.integrations.hf.tiled_mlp import _TiledMLP, default_tile
+from fastckpt.integrations.hf.tiled_mlp import TiledMLPs, default_tile
 from fastckpt.integrations.hf.trainer import _StepInBackward
+from fastckpt.integrations.hf.trl_head import TrlHead
 from fastckpt.policies import Policy
 
 # The keywords fastckpt.checkpoint takes besides the function and its arguments.
@@ -39,24 +44,16 @@ _CHECKPOINT_OPTIONS = frozenset(
 )
 
 
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    """What `enable` was called with; kept on the model so later enable calls reuse it."""
-
-    policy: Policy
-    checkpoint_kwargs: dict[str, Any]
-    budget: int | str | None = None  # plan on the first training batch for this budget (_FirstBatchPlan)
-    plan_options: dict[str, Any] = dataclasses.field(default_factory=dict)
-    # The model enable() was given when it wraps the PreTrainedModel (a PEFT model: its forward is the entry
-    # point). Held, not weakly referenced, so that copy.deepcopy maps it to the copy's.
-    outer: Any = None
+# enable()'s patches, in the order installed: padded attention first, so that a model whose attention turns out
+# not to switch is refused before anything else changed (disable() removes them in reverse, the plan first).
+PATCHES = (PaddedAttention, LossHead, TrlHead, AdapterInputCasts, TiledMLPs, _StepInBackward)
 
 
 # Keywords of HF's checkpointing kwargs (Trainer's gradient_checkpointing_kwargs) that ask for a plan instead.
 _PLAN_KEYWORDS = ("budget", "plan_options")
 
 
-def _checkpoint_function(settings: _Settings, hf_kwargs: dict[str, Any] | None, offload: bool) -> functools.partial:
+def _checkpoint_function(settings: Settings, hf_kwargs: dict[str, Any] | None, offload: bool) -> functools.partial:
     """fastckpt.checkpoint bound to the settings; keywords HF passes along (e.g. from Trainer) take precedence."""
     kwargs = {k: v for k, v in {**settings.checkpoint_kwargs, **(hf_kwargs or {})}.items() if k not in _PLAN_KEYWORDS}
     policy = Policy.parse(kwargs.pop("policy", settings.policy))
@@ -111,7 +108,7 @@ def _enable_through_fastckpt(
                 "fastckpt.integrations.hf: gradient_checkpointing_kwargs has both `budget` and `policy`; a budget "
                 "plans a policy per layer, pass one of them"
             )
-        _FirstBatchPlan.check(budget, plan_options)
+        _FirstBatchPlan.check_options(budget, plan_options)
     _FirstBatchPlan.remove(model)
     type(model).activation_checkpointing_enable(model, every_n_layers=every_n_layers)
     if not function.keywords.get("use_reentrant") and hasattr(model, "disable_input_require_grads"):
@@ -123,7 +120,7 @@ def _enable_through_fastckpt(
         _remove_orphaned_require_grads_hooks(model)
     gateway.set_checkpoint_function(model, function)
     if budget is not None:
-        _FirstBatchPlan.install(model, model if settings.outer is None else settings.outer, budget, plan_options)
+        _FirstBatchPlan.install(model, dataclasses.replace(settings, budget=budget, plan_options=plan_options))
 
 
 def enable(
@@ -207,47 +204,37 @@ def enable(
             "fastckpt.integrations.hf.enable: `tile_mlp` must be None (on under a recompute policy), True, False or "
             f"a number of tokens per tile >= 1, got {tile_mlp!r}"
         )
-    if budget is not None:
-        if Policy.parse(policy) != Policy.parse("recompute"):
-            raise ValueError(
-                f"fastckpt.integrations.hf.enable: pass `budget` or `policy`, not both (got policy={policy!r}): a "
-                "budget plans a policy per layer"
-            )
-        _FirstBatchPlan.check(budget, plan_options or {})
-    elif plan_options is not None:
+    if budget is not None and Policy.parse(policy) != Policy.parse("recompute"):
+        raise ValueError(
+            f"fastckpt.integrations.hf.enable: pass `budget` or `policy`, not both (got policy={policy!r}): a "
+            "budget plans a policy per layer"
+        )
+    if budget is None and plan_options is not None:
         raise ValueError("fastckpt.integrations.hf.enable: `plan_options` without `budget`; pass a budget to plan")
-    outer = None if model is pretrained else model
-    settings = _Settings(Policy.parse(policy), dict(checkpoint_kwargs), budget, dict(plan_options or {}), outer)
-    _checkpoint_function(settings, None, offload=False)  # reject bad keywords before changing the model
-    if loss_head:
-        _LossHead.check(pretrained)  # likewise
-    # The attention switch first: a model that turns out not to switch is refused before anything else changed.
-    if padded_attention:
-        attention.install(pretrained)
-    else:
-        attention.remove(pretrained)
+    if tile_mlp is None:
+        tile_mlp = budget is None and Policy.parse(policy).recompute
+    settings = Settings(
+        Policy.parse(policy), dict(checkpoint_kwargs), budget, dict(plan_options or {}),
+        outer=None if model is pretrained else model, loss_head=loss_head, padded_attention=padded_attention,
+        tile_mlp=(default_tile(pretrained.config) if tile_mlp is True else tile_mlp) or None,
+        optimizer_in_backward=optimizer_in_backward,
+    )  # fmt: skip
+    # Refuse bad settings before anything changes.
+    _checkpoint_function(settings, None, offload=False)
+    for patch in (_FirstBatchPlan, *PATCHES):
+        if patch.wanted(settings):
+            patch.check(pretrained, settings)
+    for patch in PATCHES:
+        if patch.wanted(settings):
+            patch.install(pretrained, settings)
+        else:
+            patch.remove(pretrained)
     state.of(pretrained).settings = settings
     # An instance attribute shadows the class's method, so Trainer's later call (and the deprecated
     # gradient_checkpointing_enable, which forwards to it) lands here too. A bound method, not a
     # closure, so that copy.deepcopy binds the copy's to the copy.
     pretrained.activation_checkpointing_enable = types.MethodType(_enable_through_fastckpt, pretrained)
     _enable_through_fastckpt(pretrained, every_n_layers=every_n_layers)
-    if loss_head:
-        _LossHead.install(pretrained)
-        trl_head.serve(pretrained)
-    else:
-        _LossHead.remove(pretrained)
-        trl_head.stop(pretrained)
-    _AdapterInputCasts.install(pretrained)
-    _TiledMLP.remove(pretrained)
-    if tile_mlp is None:
-        tile_mlp = budget is None and settings.policy.recompute
-    if tile_mlp:
-        _TiledMLP.install(pretrained, default_tile(pretrained.config) if tile_mlp is True else tile_mlp)
-    if optimizer_in_backward:
-        _StepInBackward.install(pretrained, model)
-    else:
-        _StepInBackward.remove(pretrained)
     return model
 
 
@@ -255,13 +242,8 @@ def disable(model: Any) -> Any:
     """Turn gradient checkpointing and the loss head off, give the model back its own enable method and
     forward; returns `model`."""
     pretrained = _pretrained_model(model)
-    _FirstBatchPlan.remove(pretrained)
-    _LossHead.remove(pretrained)
-    trl_head.stop(pretrained)
-    attention.remove(pretrained)
-    _AdapterInputCasts.remove(pretrained)
-    _TiledMLP.remove(pretrained)
-    _StepInBackward.remove(pretrained)
+    for patch in reversed((_FirstBatchPlan, *PATCHES)):
+        patch.remove(pretrained)
     pretrained.__dict__.pop("activation_checkpointing_enable", None)
     state.forget(pretrained)
     pretrained.activation_checkpointing_disable()

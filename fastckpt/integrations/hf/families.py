@@ -39,7 +39,7 @@ def _softcap_of(path: str) -> Callable[[Any], dict[str, Any]]:
 # 5.23; tested: tests/integrations/test_hf_loss.py). The soft caps are computed in fp32 here, where most Gemma
 # forwards cap in the logits' dtype (under bf16 autocast the results differ by bf16 rounding). Any other class
 # whose forward changes the lm_head output before loss_function is refused at its first forward (see
-# _LossHead.loss).
+# _LossCall.loss).
 _GEMMA_SOFTCAP = (
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",

@@ -79,9 +79,9 @@ def forward_hooks(module: torch.nn.Module) -> Iterator[tuple[int, Callable, Call
 
 
 @_internal("torch", "Module._forward_pre_hooks, _forward_pre_hooks_with_kwargs",
-           "trl_head.stop() finds and removes the hooks serve() registered without keeping their handles "
+           "TrlHead.remove() finds and removes the hooks its install() registered without keeping their handles "
            "(a handle would not follow copy.deepcopy of the model)",
-           "RuntimeError at stop()/disable() naming this torch")  # fmt: skip
+           "RuntimeError at disable() naming this torch")  # fmt: skip
 def forward_pre_hooks(module: torch.nn.Module) -> Iterator[tuple[int, Callable, Callable[[], None]]]:
     """(key, hook, remove) for each forward pre-hook of `module`; `remove()` unregisters it."""
     hooks = getattr(module, "_forward_pre_hooks", None)

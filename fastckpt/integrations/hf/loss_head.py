@@ -1,28 +1,25 @@
 """`enable(model, loss_head=True)`: a causal LM's training loss through `fastckpt.linear_cross_entropy` (the LM
-head and cross entropy a chunk of tokens at a time, no full logits); see `_LossHead` for how the model's own
-forward is kept. What each model family's forward does to the logits on the way is in families.py.
+head and cross entropy a chunk of tokens at a time, no full logits): `LossHead`, the patch on the model, and
+`_LossCall`, one training call through it, for how the model's own forward is kept. What each model family's
+forward does to the logits on the way is in families.py.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
-import statistics
-import time
 import types
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from fastckpt.heads import TiedGradient, default_chunk_size, linear_cross_entropy
+from fastckpt.heads import TiedGradient, linear_cross_entropy
 from fastckpt.integrations.hf import gateway, state
 from fastckpt.integrations.hf.families import _HEAD_POSTPROCESSING
+from fastckpt.integrations.hf.patches import Patch, Settings
 from fastckpt.integrations.hf.pretrained import _pretrained_model
-
-if TYPE_CHECKING:
-    from fastckpt.planner.model import TailOption
 
 
 def loss_head_enabled(model: Any) -> bool:
@@ -58,7 +55,7 @@ def _wraps_loss_head(function: Any) -> bool:
     for _ in range(32):
         if function is None:
             return False
-        if _LossHead.is_ours(function):
+        if LossHead.is_ours(function):
             return True
         function = getattr(function, "__func__", None) or getattr(function, "__wrapped__", None)
     return False
@@ -84,20 +81,15 @@ def _forward_owner(model: torch.nn.Module) -> type:
     return next(cls for cls in type(model).__mro__ if "forward" in cls.__dict__)
 
 
-class _LossHead:
-    """The model's own forward, with its `lm_head` and `loss_function` replaced during the call.
+class LossHead(Patch):
+    """`enable(loss_head=True)`: the model's own forward, with its `lm_head` and `loss_function` replaced during
+    each training call (`_LossCall`).
 
     Installed as an instance `forward` that wraps the class's (with its signature, which Trainer reads to
-    decide whether to pass `num_items_in_batch`). For a call with `labels` under grad mode it replaces, for
-    that call only, `lm_head.forward` by `head_forward` below, which keeps the hidden states and returns
-    empty logits (no tokens: the model's logit post-processing runs on an empty tensor), and the instance's
-    `loss_function` by `loss` below, which calls lm_head again on the kept hidden states, and that call
-    computes the loss from them and the head's weight and bias (inside the head's own call, where DeepSpeed
-    ZeRO-3, FSDP2 and accelerate's hooks make the weight whole and present). Everything else in the forward
-    (the base model, `logits_to_keep`, MoE auxiliary losses added to the loss) is the model's own code.
+    decide whether to pass `num_items_in_batch`); the forward found on the instance before (accelerate's, say)
+    is kept as the inner one and put back by `remove`.
     """
 
-    CHUNK_FACTORS = (0.25, 0.5, 1, 2, 4, 8)  # the chunk sizes a plan may choose, times the default
     _forwards: dict[type, Callable[..., Any]] = {}  # per model class, the forward installed on its instances
 
     @classmethod
@@ -128,7 +120,11 @@ class _LossHead:
         return None
 
     @classmethod
-    def check(cls, model: torch.nn.Module) -> None:
+    def wanted(cls, settings: Settings) -> bool:
+        return settings.loss_head
+
+    @classmethod
+    def check(cls, model: torch.nn.Module, settings: Settings | None = None) -> None:
         reason = cls.unsupported(model)
         if reason is None:
             if not gateway.forward_computes_loss_from_head(_forward_owner(model).forward):
@@ -140,7 +136,7 @@ class _LossHead:
             raise ValueError(f"fastckpt.integrations.hf.enable(loss_head=True): {reason}; enable without loss_head")
 
     @classmethod
-    def install(cls, model: torch.nn.Module) -> None:
+    def install(cls, model: torch.nn.Module, settings: Settings | None = None) -> None:
         kept = state.of(model)
         kept.loss_head = True
         current = model.__dict__.get("forward")
@@ -192,10 +188,21 @@ class _LossHead:
                             stacklevel=2,
                         )
                     return inner(*args, **kwargs)
-                return cls(self).run(inner, args, kwargs)
+                return _LossCall(self).run(inner, args, kwargs)
 
             cls._forwards[model_class] = forward
         return cls._forwards[model_class]
+
+
+
+class _LossCall:
+    """One training call of the model under the loss head: for that call only, `lm_head.forward` is replaced by
+    `head_forward`, which keeps the hidden states and returns empty logits (no tokens: the model's logit
+    post-processing runs on an empty tensor), and the instance's `loss_function` by `loss`, which calls lm_head
+    again on the kept hidden states, and that call computes the loss from them and the head's weight and bias
+    (inside the head's own call, where DeepSpeed ZeRO-3, FSDP2 and accelerate's hooks make the weight whole and
+    present). Everything else in the forward (the base model, `logits_to_keep`, MoE auxiliary losses added to
+    the loss) is the model's own code."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
@@ -327,84 +334,3 @@ class _LossHead:
         # ZeRO-3, FSDP) sees the loss as the head's output.
         self.pending = (targets, options)
         return head(hidden)
-
-    @classmethod
-    def chunk_options(
-        cls, pretrained: torch.nn.Module, step_forward: Callable[[], Any], autocast: torch.dtype | None, repeats: int
-    ) -> list[TailOption]:
-        """The loss head's chunk sizes as a plan's tail options (hf.measure): one forward (`step_forward`) records
-        the head's inputs, then the head alone (forward and backward, under `autocast` as the step) runs at each
-        chunk size for its peak and median time (`repeats` timed runs, interleaved), relative to the chunk the
-        measured steps used."""
-        kept = state.of(pretrained)
-        record = kept.loss_record = []
-        try:
-            step_forward()
-        finally:
-            kept.loss_record = None
-        if len(record) != 1:
-            return []  # no loss through the head (or several): nothing to choose
-        hidden, needs_grad, targets, options = record[0]
-        weight = pretrained.lm_head.weight
-        trained = [p for p in (weight, options["bias"]) if p is not None and p.requires_grad]
-
-        def run(chunk: int) -> None:
-            for p in trained:  # as the planner's runs: no gradient before the step (fastckpt.planner.iteration)
-                p.grad = None
-            with torch.autocast(hidden.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
-                loss = linear_cross_entropy(
-                    hidden.detach().requires_grad_(needs_grad), weight, targets, chunk_size=chunk, **options
-                )
-            if loss.requires_grad:
-                loss.backward()
-            for p in trained:
-                p.grad = None
-
-        from fastckpt.memory import peak_bytes
-        from fastckpt.planner.iteration import grad_hooks_suspended
-        from fastckpt.planner.model import TailOption
-
-        tokens = hidden.shape[0]
-        measured = kept.loss_chunk or default_chunk_size(*weight.shape, weight.requires_grad)
-        default = default_chunk_size(*weight.shape, weight.requires_grad)
-        chunks = sorted({min(tokens, max(1, round(default * f))) for f in cls.CHUNK_FACTORS} | {min(tokens, measured)})
-        grads = [(p, p.grad) for p in trained]
-        try:
-            with grad_hooks_suspended(pretrained):  # as the planner's steps
-                peaks = {chunk: peak_bytes(functools.partial(run, chunk), hidden.device) for chunk in chunks}
-                samples: dict[int, list[float]] = {chunk: [] for chunk in chunks}
-                for _ in range(repeats):
-                    for chunk in chunks:
-                        _synchronize(hidden.device)
-                        start = time.perf_counter()
-                        run(chunk)
-                        _synchronize(hidden.device)
-                        samples[chunk].append(time.perf_counter() - start)
-        finally:
-            for p, grad in grads:
-                p.grad = grad
-        seconds = {chunk: statistics.median(times) for chunk, times in samples.items()}
-        reference = min(tokens, measured)
-        before = kept.loss_chunk
-
-        def setter(chunk: int | None) -> Callable[[], None]:
-            def put() -> None:
-                state.of(pretrained).loss_chunk = chunk
-
-            return put
-
-        return [
-            TailOption(
-                f"loss head: {chunk} tokens per chunk",
-                peaks[chunk] - peaks[reference],
-                seconds[chunk] - seconds[reference],
-                apply=setter(chunk),
-                remove=setter(before),
-            )
-            for chunk in chunks
-        ]
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

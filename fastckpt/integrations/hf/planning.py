@@ -9,16 +9,24 @@ import functools
 import inspect
 import logging
 import math
+import statistics
+import time
 import warnings
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fastckpt.heads import default_chunk_size, linear_cross_entropy
 from fastckpt.integrations.hf import state
-from fastckpt.integrations.hf.loss_head import _LossHead, loss_head_enabled
+from fastckpt.integrations.hf.loss_head import loss_head_enabled
+from fastckpt.integrations.hf.patches import Patch, Settings
 from fastckpt.integrations.hf.pretrained import _pretrained_model
 from fastckpt.integrations.hf.trainer import _StepInBackward, find_optimizer
 from fastckpt.optimizer_in_backward import OptimizerInBackward
+
+if TYPE_CHECKING:
+    from fastckpt.planner.model import TailOption
 
 _logger = logging.getLogger("fastckpt")
 
@@ -55,7 +63,7 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
     plan checkpoints them itself (the loss head and padded attention of an earlier `enable` stay).
     `measure_kwargs` go to `fastckpt.planner.measure` (candidates, repeats, max_error, progress, optimizer,
     gradients). With the loss head on, its tokens per chunk are a choice of every plan too
-    (`Measurements.tail_options`, `_LossHead.chunk_options`).
+    (`Measurements.tail_options`, `loss_chunk_options`).
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -94,7 +102,7 @@ def measure(model: Any, batch: dict[str, Any], *, autocast: torch.dtype | None =
     measurements = planner.measure(model, step, check_fn, **measure_kwargs)
     if loss_head_enabled(pretrained):  # its chunk size is the plan's to choose too
         repeats = measure_kwargs.get("repeats", inspect.signature(planner.measure).parameters["repeats"].default)
-        measurements.tail_options = _LossHead.chunk_options(pretrained, forward, autocast, repeats)
+        measurements.tail_options = loss_chunk_options(pretrained, forward, autocast, repeats)
     return measurements
 
 
@@ -123,7 +131,7 @@ PLAN_MAX_ERROR = 8e-2
 _PLAN_OPTIONS = ("candidates", "repeats", "max_error", "progress", "optimizer", "gradients")
 
 
-class _FirstBatchPlan:
+class _FirstBatchPlan(Patch):
     """`enable(model, budget=...)`: a forward pre-hook on the model enable() was given (a PEFT model's own
     forward calls the base model's `forward` directly, past its hooks). At the first forward in training mode
     with grad enabled it plans on that call's arguments and applies the plan; at that and every later training
@@ -133,8 +141,16 @@ class _FirstBatchPlan:
     plan predicted, so it plans again, on its own arguments, before it runs (under torch.distributed it warns
     instead); see `_cover`."""
 
+    @classmethod
+    def wanted(cls, settings: Settings) -> bool:
+        return settings.budget is not None
+
+    @classmethod
+    def check(cls, pretrained: torch.nn.Module, settings: Settings) -> None:
+        cls.check_options(settings.budget, settings.plan_options)
+
     @staticmethod
-    def check(budget: Any, plan_options: Any) -> None:
+    def check_options(budget: Any, plan_options: Any) -> None:
         from fastckpt.planner.budgets import check_budget
 
         check_budget(budget)
@@ -148,10 +164,12 @@ class _FirstBatchPlan:
             raise TypeError(f"fastckpt.integrations.hf: unknown plan_options {unknown}; known: {list(_PLAN_OPTIONS)}")
 
     @classmethod
-    def install(cls, pretrained: torch.nn.Module, outer: torch.nn.Module, budget: Any, options: dict) -> None:
+    def install(cls, pretrained: torch.nn.Module, settings: Settings) -> None:
+        cls.remove(pretrained)
         # The hook closes over no model: a deep copy of the model plans itself.
-        hook = functools.partial(cls._training_forward, budget, {"max_error": PLAN_MAX_ERROR, **options})
-        state.of(pretrained).plan_hook = outer.register_forward_pre_hook(hook, with_kwargs=True)
+        options = {"max_error": PLAN_MAX_ERROR, **settings.plan_options}
+        hook = functools.partial(cls._training_forward, settings.budget, options)
+        state.of(pretrained).plan_hook = settings.entry(pretrained).register_forward_pre_hook(hook, with_kwargs=True)
 
     @classmethod
     def remove(cls, pretrained: torch.nn.Module) -> None:
@@ -380,3 +398,94 @@ def _forward_arguments(module: torch.nn.Module, args: tuple, kwargs: dict) -> di
         else:
             arguments[name] = value
     return arguments
+
+
+LOSS_CHUNK_FACTORS = (0.25, 0.5, 1, 2, 4, 8)  # the loss head's chunk sizes a plan may choose, times the default
+
+
+def loss_chunk_options(
+    pretrained: torch.nn.Module, step_forward: Callable[[], Any], autocast: torch.dtype | None, repeats: int
+) -> list[TailOption]:
+    """The loss head's chunk sizes as a plan's tail options (`measure`): one forward (`step_forward`) records the
+    head's inputs, then the head alone (forward and backward, under `autocast` as the step) runs at each chunk
+    size for its peak and median time (`repeats` timed runs, interleaved), relative to the chunk the measured
+    steps used."""
+    from fastckpt.planner.iteration import grad_hooks_suspended
+    from fastckpt.planner.model import TailOption
+
+    kept = state.of(pretrained)
+    record = kept.loss_record = []
+    try:
+        step_forward()
+    finally:
+        kept.loss_record = None
+    if len(record) != 1:
+        return []  # no loss through the head (or several): nothing to choose
+    hidden, needs_grad, targets, options = record[0]
+    weight = pretrained.lm_head.weight
+    tokens = hidden.shape[0]
+    default = default_chunk_size(*weight.shape, weight.requires_grad)
+    measured = min(tokens, kept.loss_chunk or default)
+    chunks = sorted({min(tokens, max(1, round(default * f))) for f in LOSS_CHUNK_FACTORS} | {measured})
+    trained = [p for p in (weight, options["bias"]) if p is not None and p.requires_grad]
+
+    def run(chunk: int) -> None:
+        for p in trained:  # as the planner's runs: no gradient before the step (fastckpt.planner.iteration)
+            p.grad = None
+        with torch.autocast(hidden.device.type, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+            loss = linear_cross_entropy(
+                hidden.detach().requires_grad_(needs_grad), weight, targets, chunk_size=chunk, **options
+            )
+        if loss.requires_grad:
+            loss.backward()
+        for p in trained:
+            p.grad = None
+
+    grads = [(p, p.grad) for p in trained]
+    try:
+        with grad_hooks_suspended(pretrained):  # as the planner's steps
+            peaks, seconds = _peaks_and_times(run, chunks, repeats, hidden.device)
+    finally:
+        for p, grad in grads:
+            p.grad = grad
+    before = kept.loss_chunk
+
+    def setter(chunk: int | None) -> Callable[[], None]:
+        def put() -> None:
+            state.of(pretrained).loss_chunk = chunk
+
+        return put
+
+    return [
+        TailOption(
+            f"loss head: {chunk} tokens per chunk",
+            peaks[chunk] - peaks[measured],
+            seconds[chunk] - seconds[measured],
+            apply=setter(chunk),
+            remove=setter(before),
+        )
+        for chunk in chunks
+    ]
+
+
+def _peaks_and_times(
+    run: Callable[[int], None], chunks: list[int], repeats: int, device: torch.device
+) -> tuple[dict[int, int], dict[int, float]]:
+    """`run(chunk)`'s peak bytes and median seconds for each chunk (`repeats` timed runs, interleaved)."""
+    from fastckpt.memory import peak_bytes
+
+    peaks = {chunk: peak_bytes(functools.partial(run, chunk), device) for chunk in chunks}
+    samples: dict[int, list[float]] = {chunk: [] for chunk in chunks}
+    for _ in range(repeats):
+        for chunk in chunks:
+            _synchronize(device)
+            start = time.perf_counter()
+            run(chunk)
+            _synchronize(device)
+            samples[chunk].append(time.perf_counter() - start)
+    return peaks, {chunk: statistics.median(times) for chunk, times in samples.items()}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

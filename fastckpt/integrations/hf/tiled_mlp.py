@@ -1,4 +1,4 @@
-"""The decoder layers' MLPs computed in tiles of tokens (`_TiledMLP`, installed by `enable`).
+"""The decoder layers' MLPs computed in tiles of tokens (`TiledMLPs`, a patch `enable` installs: patches.py).
 
 At long lengths a recomputed layer's largest working set is its MLP: several [tokens x intermediate] tensors
 alive at once in its recomputation and backward (at Llama-3.2-1B's shape, 4x the layer's input per tensor).
@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from fastckpt.integrations.hf.patches import Patch, Settings
 from fastckpt.tiling import recompute_in_tiles
 
 MIN_TILE = 1024  # tokens: below this the extra forward costs more than the tile's memory is worth
@@ -45,6 +46,14 @@ class _TiledMLP:
             return own(x)
         return recompute_in_tiles(own, x, self.tile, dim=-2, parameters=trained)
 
+
+class TiledMLPs(Patch):
+    """The decoder layers' MLPs' `forward` replaced by a `_TiledMLP` of `settings.tile_mlp` tokens."""
+
+    @classmethod
+    def wanted(cls, settings: Settings) -> bool:
+        return settings.tile_mlp is not None
+
     @staticmethod
     def _mlps(model: torch.nn.Module) -> list[torch.nn.Module]:
         """The decoder layers' position-wise MLPs: a checkpointing layer's `mlp` of a class named *MLP whose
@@ -60,17 +69,19 @@ class _TiledMLP:
         return found
 
     @classmethod
-    def install(cls, model: torch.nn.Module, tile: int) -> None:
-        for mlp in cls._mlps(model):
-            mlp.forward = cls(mlp, tile)
+    def install(cls, pretrained: torch.nn.Module, settings: Settings) -> None:
+        cls.remove(pretrained)
+        for mlp in cls._mlps(pretrained):
+            mlp.forward = _TiledMLP(mlp, settings.tile_mlp)
 
     @classmethod
-    def remove(cls, model: torch.nn.Module) -> None:
-        for mlp in model.modules():
-            if isinstance(mlp.__dict__.get("forward"), cls):
+    def remove(cls, pretrained: torch.nn.Module) -> None:
+        for mlp in pretrained.modules():
+            if isinstance(mlp.__dict__.get("forward"), _TiledMLP):
                 del mlp.forward
 
-    @classmethod
-    def tiles(cls, model: torch.nn.Module) -> list[int]:
+    @staticmethod
+    def tiles(model: torch.nn.Module) -> list[int]:
         """The tile of each MLP tiled in `model` (for tests and the report)."""
-        return [m.__dict__["forward"].tile for m in model.modules() if isinstance(m.__dict__.get("forward"), cls)]
+        forwards = [m.__dict__.get("forward") for m in model.modules()]
+        return [forward.tile for forward in forwards if isinstance(forward, _TiledMLP)]

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fastckpt.integrations.hf import state
+from fastckpt.integrations.hf.patches import Patch, Settings
 
 
 def _live(cls: type) -> list[Any]:
@@ -77,7 +78,7 @@ def _wrapped(model: Any) -> set[int]:
     return ids
 
 
-class _StepInBackward:
+class _StepInBackward(Patch):
     """`enable(model, optimizer_in_backward=True)`: the Trainer (or TRL trainer) training the model steps its
     optimizer in the backward (fastckpt.optimizer_in_backward) with its own settings: `max_grad_norm` (clipping,
     exact: the backward runs a norm pass first), `gradient_accumulation_steps`, its scheduler (which drives the
@@ -88,9 +89,14 @@ class _StepInBackward:
     exist as `.grad`). fp16 (a GradScaler) and DeepSpeed are refused."""
 
     @classmethod
-    def install(cls, pretrained: torch.nn.Module, outer: torch.nn.Module) -> None:
+    def wanted(cls, settings: Settings) -> bool:
+        return settings.optimizer_in_backward
+
+    @classmethod
+    def install(cls, pretrained: torch.nn.Module, settings: Settings) -> None:
         cls.remove(pretrained)
-        state.of(pretrained).step_in_backward = {"hook": outer.register_forward_pre_hook(cls._training_forward)}
+        hook = settings.entry(pretrained).register_forward_pre_hook(cls._training_forward)
+        state.of(pretrained).step_in_backward = {"hook": hook}
 
     @classmethod
     def remove(cls, pretrained: torch.nn.Module) -> None:

@@ -33,6 +33,7 @@ import torch
 from fastckpt.heads import TiedGradient, linear_log_probs
 from fastckpt.integrations.hf import gateway, state
 from fastckpt.integrations.hf.loss_head import _tied_embedding, loss_head_enabled
+from fastckpt.integrations.hf.patches import Patch, Settings
 
 _LOG = logging.getLogger("fastckpt")
 _served: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # the PreTrainedModels whose head fastckpt serves
@@ -218,7 +219,7 @@ def _is_dtensor(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 
-_HOOKS = (  # what serve() registers: (the module it is on, the torch hook kind, the function)
+_HOOKS = (  # what TrlHead.install registers: (the module it is on, the torch hook kind, the function)
     (lambda model: model.base_model, gateway.forward_pre_hooks, _before_backbone),
     (lambda model: model, gateway.forward_pre_hooks, _note_scored),
     (lambda model: model, gateway.forward_hooks, _forget_scored),
@@ -226,7 +227,7 @@ _HOOKS = (  # what serve() registers: (the module it is on, the torch hook kind,
 
 
 def _registered(model: torch.nn.Module) -> list[Any]:
-    """The `remove()`s of the hooks serve() registered on `model` (found by their function: bound to the model,
+    """The `remove()`s of the hooks TrlHead.install registered on `model` (found by their function: bound to the model,
     they follow a deep copy of it, which a handle would not)."""
     return [
         remove
@@ -236,22 +237,29 @@ def _registered(model: torch.nn.Module) -> list[Any]:
     ]
 
 
-def serve(model: torch.nn.Module) -> None:
-    """Serve TRL's fused head for `model` (a PreTrainedModel with the loss head on) whenever TRL installs one."""
-    if _registered(model):
-        return
-    model.base_model.register_forward_pre_hook(types.MethodType(_before_backbone, model))
-    model.register_forward_pre_hook(types.MethodType(_note_scored, model), with_kwargs=True)
-    model.register_forward_hook(types.MethodType(_forget_scored, model), always_call=True)
+class TrlHead(Patch):
+    """`enable(loss_head=True)` under TRL: TRL's fused head served for the model whenever TRL installs one."""
 
+    @classmethod
+    def wanted(cls, settings: Settings) -> bool:
+        return settings.loss_head
 
-def stop(model: torch.nn.Module) -> None:
-    """Leave TRL's fused head of `model` to TRL again."""
-    for remove in _registered(model):
-        remove()
-    _served.discard(model)
-    if not _served and gateway.trl_kernel() is _ServedKernel:  # the last model served: TRL's kernel back
-        gateway.set_trl_kernel(_ServedKernel.trl_kernel)
-    kept = state.read(model)
-    kept.trl_said = kept.trl_said_mixed = False
-    kept.trl_scored = None
+    @classmethod
+    def install(cls, pretrained: torch.nn.Module, settings: Settings) -> None:
+        if _registered(pretrained):
+            return
+        pretrained.base_model.register_forward_pre_hook(types.MethodType(_before_backbone, pretrained))
+        pretrained.register_forward_pre_hook(types.MethodType(_note_scored, pretrained), with_kwargs=True)
+        pretrained.register_forward_hook(types.MethodType(_forget_scored, pretrained), always_call=True)
+
+    @classmethod
+    def remove(cls, pretrained: torch.nn.Module) -> None:
+        """Leave TRL's fused head of `pretrained` to TRL again; TRL's kernel back when no model is served."""
+        for remove in _registered(pretrained):
+            remove()
+        _served.discard(pretrained)
+        if not _served and gateway.trl_kernel() is _ServedKernel:
+            gateway.set_trl_kernel(_ServedKernel.trl_kernel)
+        kept = state.read(pretrained)
+        kept.trl_said = kept.trl_said_mixed = False
+        kept.trl_scored = None
