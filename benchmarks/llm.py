@@ -64,7 +64,10 @@ from benchmarks.steps import step as _step
 from fastckpt import hybrid
 from fastckpt.integrations import hf
 
-HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, VOCAB = 256, 688, 4, 2, 4096
+HEADS, KV_HEADS = 4, 2
+# (hidden, intermediate, vocabulary) per size: the smoke run checks that every row runs, at a quarter width
+WIDTHS = {"full": (256, 688, 4096), "quick": (256, 688, 4096), "smoke": (64, 176, 512)}
+VOCAB = WIDTHS["full"][2]
 LORA_TARGETS = ["q_proj", "v_proj", "up_proj", "down_proj"]
 # (layers, tokens, warm-up steps, timed rounds) per size; scaling: (lengths at SCALING_DEPTH, depths at 1024)
 SIZES = {"full": (16, 1024, 0, 5), "quick": (8, 1024, 0, 3), "smoke": (2, 64, 0, 1)}  # the trial step warms up
@@ -91,7 +94,8 @@ def _shifted(model: torch.nn.Module, batch: dict) -> tuple[torch.nn.Module, torc
     inputs of a loss computed outside HF's forward."""
     causal_lm = _causal_lm(model)
     hidden = causal_lm.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
-    return causal_lm, hidden.last_hidden_state[:, :-1].reshape(-1, HIDDEN), batch["labels"][:, 1:].reshape(-1)
+    hidden = hidden.last_hidden_state[:, :-1]
+    return causal_lm, hidden.reshape(-1, hidden.shape[-1]), batch["labels"][:, 1:].reshape(-1)
 
 
 def chunked_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -161,14 +165,15 @@ def rows(liger: bool = False) -> list[Row]:
     return found
 
 
-def build(lora: bool, layers: int, tokens: int, device: torch.device) -> tuple[torch.nn.Module, dict]:
-    """The model (seeded) and its padded batch."""
+def build(lora: bool, layers: int, tokens: int, device: torch.device, size: str) -> tuple[torch.nn.Module, dict]:
+    """The model (seeded, at `size`'s widths) and its padded batch."""
     import peft
     import transformers
 
+    hidden, intermediate, vocab = WIDTHS[size]
     config = transformers.LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers, num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS, vocab_size=VOCAB, max_position_embeddings=tokens, pad_token_id=0,
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, vocab_size=vocab, max_position_embeddings=tokens, pad_token_id=0,
         attn_implementation="sdpa",
     )  # fmt: skip
     torch.manual_seed(0)
@@ -177,13 +182,13 @@ def build(lora: bool, layers: int, tokens: int, device: torch.device) -> tuple[t
         adapters = peft.LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, init_lora_weights=False)
         model = peft.get_peft_model(model, adapters)
     model.to(device).train()
-    return model, padded_batch(tokens, VOCAB, device, padding=tokens // 4)
+    return model, padded_batch(tokens, vocab, device, padding=tokens // 4)
 
 
 def run_workload(lora: bool, size: str, device: torch.device) -> tuple[list[dict], dict[str, str]]:
     """The table of one workload (LoRA or full fine-tune), and the rows that failed."""
     layers, tokens, warmup, rounds = SIZES[size]
-    base, batch = build(lora, layers, tokens, device)
+    base, batch = build(lora, layers, tokens, device, size)
     reference_model = copy.deepcopy(base)
     _step(reference_model, batch, hf_loss, autocast=False)
     reference = gradients(reference_model)
@@ -316,7 +321,7 @@ def scaling(size: str, device: torch.device, out: str | None) -> list[dict]:
             tokens = value if axis == "tokens" else SCALING_TOKENS[size]
             if (layers, tokens, PLAIN) not in peaks:
                 is_longest = axis == "tokens" and value == lengths[-1]
-                measured, at_length = _peaks(configs, layers, tokens, device, timed=is_longest)
+                measured, at_length = _peaks(configs, layers, tokens, device, size, timed=is_longest)
                 peaks.update(measured)
                 if at_length is not None:
                     longest = at_length
@@ -362,11 +367,11 @@ class Longest:
 
 
 def _peaks(
-    configs: dict, layers: int, tokens: int, device: torch.device, timed: bool = False
+    configs: dict, layers: int, tokens: int, device: torch.device, size: str, timed: bool = False
 ) -> tuple[dict[tuple, float], Longest | None]:
     """Whole-step peak MiB of each configuration on one size (by (layers, tokens, config)), after a trial
     step; with `timed`, also the Longest measurements there."""
-    base, batch = build(True, layers, tokens, device)
+    base, batch = build(True, layers, tokens, device, size)
     peaks, steps, models = {}, {}, {}
     for config, prepare in configs.items():
         model = models[config] = copy.deepcopy(base)
@@ -449,9 +454,9 @@ def slow_bf16_warning(slowdown: float) -> str | None:
     )
 
 
-def packed_batch(tokens: int, device: torch.device) -> dict[str, torch.Tensor]:
+def packed_batch(tokens: int, device: torch.device, vocab: int = VOCAB) -> dict[str, torch.Tensor]:
     """steps.packed_batch at this section's vocabulary."""
-    return _packed_batch(tokens, device, VOCAB)
+    return _packed_batch(tokens, device, vocab)
 
 
 PACKED_ROWS = {
@@ -465,8 +470,8 @@ def packed(size: str, device: torch.device, out: str | None) -> tuple[list[dict]
     """HF GC and fastckpt on one row of packed sequences (llama-lora): the table (peak, time, gradient error)
     and the configurations whose timing failed."""
     layers, tokens, rounds = PACKED_SIZES[size]
-    base, _ = build(True, layers, tokens, device)
-    batch = packed_batch(tokens, device)
+    base, _ = build(True, layers, tokens, device, size)
+    batch = packed_batch(tokens, device, WIDTHS[size][2])
     reference = copy.deepcopy(base)
     _step(reference, batch, hf_loss, autocast=False)
     expected = gradients(reference)

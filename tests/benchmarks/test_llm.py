@@ -83,5 +83,5 @@ def test_the_liger_loss_is_hf_loss_given_liger_semantics(monkeypatch):
     monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers", types.ModuleType("liger_kernel.transformers"))
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
-    model, batch = llm.build(lora=True, layers=1, tokens=32, device=torch.device("cpu"))
+    model, batch = llm.build(lora=True, layers=1, tokens=32, device=torch.device("cpu"), size="smoke")
     torch.testing.assert_close(llm.liger_loss(model, batch), llm.hf_loss(model, batch))
