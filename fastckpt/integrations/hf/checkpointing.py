@@ -211,6 +211,8 @@ def enable(
         )
     if budget is None and plan_options is not None:
         raise ValueError("fastckpt.integrations.hf.enable: `plan_options` without `budget`; pass a budget to plan")
+    if budget is not None:
+        _FirstBatchPlan.check_options(budget, plan_options or {})  # before Settings copies plan_options
     if tile_mlp is None:
         tile_mlp = budget is None and Policy.parse(policy).recompute
     settings = Settings(
