@@ -132,11 +132,16 @@ def _note_scored(model: torch.nn.Module, module: torch.nn.Module, args: tuple, k
     it scores. TRL documents them (`add_fused_lm_head`): those whose next-token label is not -100, the labels
     shifted by one (`labels[:, 1:]`) unless the caller passes them pre-shifted as `shift_labels`; the mask below is
     TRL's own (`labels != -100` on the shifted labels), so no frame of TRL's is read."""
-    labels = kwargs.get("shift_labels")
-    if labels is None and kwargs.get("labels") is not None:
-        labels = kwargs["labels"][:, 1:]
-    served = kwargs.get("fused_lm_head") and isinstance(labels, torch.Tensor)
-    state.of(model).trl_scored = (labels != -100) if served else None
+    labels, shifted = kwargs.get("labels"), kwargs.get("shift_labels")
+    if not kwargs.get("fused_lm_head"):
+        mask = None
+    elif isinstance(shifted, torch.Tensor):
+        mask = shifted != -100
+    elif isinstance(labels, torch.Tensor) and labels.dim() == 2:
+        mask = labels[:, 1:] != -100
+    else:  # TRL refuses such a call itself
+        mask = None
+    state.of(model).trl_scored = mask
 
 
 def _forget_scored(model: torch.nn.Module, module: torch.nn.Module, args: tuple, output: Any) -> None:
