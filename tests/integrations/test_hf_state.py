@@ -103,3 +103,16 @@ def test_trl_kernel_is_given_back_when_the_last_served_model_stops(monkeypatch):
     gateway.set_trl_kernel(trl_head._ServedKernel)
     hf.disable(model)
     assert gateway.trl_kernel() is Kernel
+
+
+def test_every_patch_has_the_interface_and_a_patch_without_it_is_refused_when_defined():
+    from fastckpt.integrations.hf.checkpointing import PATCHES
+    from fastckpt.integrations.hf.patches import Patch
+
+    assert all(issubclass(patch, Patch) for patch in PATCHES)
+    with pytest.raises(TypeError, match="Half is a Patch without install, remove"):
+
+        class Half(Patch):
+            @classmethod
+            def wanted(cls, settings):
+                return True

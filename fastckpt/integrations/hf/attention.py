@@ -479,7 +479,7 @@ class PaddedAttention(Patch):
         return settings.padded_attention
 
     @classmethod
-    def check(cls, model: torch.nn.Module, settings: Settings | None = None) -> None:
+    def check(cls, model: torch.nn.Module, settings: Settings) -> None:
         """ValueError, naming the fix, unless `model`'s attention implementation is "sdpa" (or already NAME);
         RuntimeError where this torch lacks what the mask form's ops need."""
         _compat.require("disable_torch_function_subclass")
@@ -511,9 +511,8 @@ class PaddedAttention(Patch):
             )
 
     @classmethod
-    def install(cls, model: torch.nn.Module, settings: Settings | None = None) -> None:
-        """Switch `model` (a PreTrainedModel using "sdpa") to NAME."""
-        cls.check(model)
+    def install(cls, model: torch.nn.Module, settings: Settings) -> None:
+        """Switch `model` (a PreTrainedModel using "sdpa", `check`ed) to NAME."""
         register()
         model.set_attn_implementation(NAME)
         left = gateway.attention_implementations(model) - {NAME}

@@ -204,19 +204,18 @@ def enable(
             "fastckpt.integrations.hf.enable: `tile_mlp` must be None (on under a recompute policy), True, False or "
             f"a number of tokens per tile >= 1, got {tile_mlp!r}"
         )
-    if budget is not None and Policy.parse(policy) != Policy.parse("recompute"):
+    parsed = Policy.parse(policy)
+    if budget is not None and parsed != Policy.parse("recompute"):
         raise ValueError(
             f"fastckpt.integrations.hf.enable: pass `budget` or `policy`, not both (got policy={policy!r}): a "
             "budget plans a policy per layer"
         )
     if budget is None and plan_options is not None:
         raise ValueError("fastckpt.integrations.hf.enable: `plan_options` without `budget`; pass a budget to plan")
-    if budget is not None:
-        _FirstBatchPlan.check_options(budget, plan_options or {})  # before Settings copies plan_options
     if tile_mlp is None:
-        tile_mlp = budget is None and Policy.parse(policy).recompute
+        tile_mlp = budget is None and parsed.recompute
     settings = Settings(
-        Policy.parse(policy), dict(checkpoint_kwargs), budget, dict(plan_options or {}),
+        parsed, dict(checkpoint_kwargs), budget, plan_options or {},
         outer=None if model is pretrained else model, loss_head=loss_head, padded_attention=padded_attention,
         tile_mlp=(default_tile(pretrained.config) if tile_mlp is True else tile_mlp) or None,
         optimizer_in_backward=optimizer_in_backward,
@@ -226,6 +225,7 @@ def enable(
     for patch in (_FirstBatchPlan, *PATCHES):
         if patch.wanted(settings):
             patch.check(pretrained, settings)
+    settings = dataclasses.replace(settings, plan_options=dict(settings.plan_options))  # checked: a dict, copied
     for patch in PATCHES:
         if patch.wanted(settings):
             patch.install(pretrained, settings)

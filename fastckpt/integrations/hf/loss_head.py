@@ -124,7 +124,7 @@ class LossHead(Patch):
         return settings.loss_head
 
     @classmethod
-    def check(cls, model: torch.nn.Module, settings: Settings | None = None) -> None:
+    def check(cls, model: torch.nn.Module, settings: Settings) -> None:
         reason = cls.unsupported(model)
         if reason is None:
             if not gateway.forward_computes_loss_from_head(_forward_owner(model).forward):
@@ -136,7 +136,7 @@ class LossHead(Patch):
             raise ValueError(f"fastckpt.integrations.hf.enable(loss_head=True): {reason}; enable without loss_head")
 
     @classmethod
-    def install(cls, model: torch.nn.Module, settings: Settings | None = None) -> None:
+    def install(cls, model: torch.nn.Module, settings: Settings) -> None:
         kept = state.of(model)
         kept.loss_head = True
         current = model.__dict__.get("forward")

@@ -46,20 +46,18 @@ class Settings:
 
 class Patch:
     """One thing `enable` installs on a PreTrainedModel; see the module's docstring. Used as a class (its methods
-    are classmethods): a patch keeps no state of its own."""
+    are classmethods): a patch keeps no state of its own. A subclass defines `wanted`, `install` and `remove`
+    (checked when the class is defined); `check` has a default, nothing to check."""
 
-    @classmethod
-    def wanted(cls, settings: Settings) -> bool:
-        raise NotImplementedError
+    REQUIRED = ("wanted", "install", "remove")
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        missing = [name for name in Patch.REQUIRED if not callable(getattr(cls, name, None))]
+        if missing:
+            raise TypeError(f"{cls.__name__} is a Patch without {', '.join(missing)} (see fastckpt.integrations.hf"
+                            ".patches)")  # fmt: skip
 
     @classmethod
     def check(cls, pretrained: torch.nn.Module, settings: Settings) -> None:
         """Raise where `settings` cannot be installed on `pretrained` (default: nothing to check)."""
-
-    @classmethod
-    def install(cls, pretrained: torch.nn.Module, settings: Settings) -> None:
-        raise NotImplementedError
-
-    @classmethod
-    def remove(cls, pretrained: torch.nn.Module) -> None:
-        raise NotImplementedError
