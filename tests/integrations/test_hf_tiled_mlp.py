@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fastckpt.integrations import hf  # noqa: E402
-from fastckpt.integrations.hf.tiled_mlp import MIN_TILE, TiledMLPs  # noqa: E402
+from fastckpt.integrations.hf.tiled_mlp import MIN_TILE, TiledMLPs, _NormOutputs  # noqa: E402
 from fastckpt.memory import peak_bytes  # noqa: E402
 from tests.helpers import max_rel_l2, tiny_decoder_config  # noqa: E402
 
@@ -73,6 +73,47 @@ def test_a_long_rows_recomputed_layer_holds_one_tile_of_its_mlp():
 
     whole, tiled = peak(False), peak(64)
     assert tiled < 0.6 * whole
+
+
+@pytest.mark.parametrize("adapters", [False, True], ids=["full", "lora"])
+def test_a_norms_output_is_not_kept_by_the_modules_it_feeds(adapters):
+    # Layer 0 run without its checkpoint, so that what its forward saves for backward is seen: its norms' outputs
+    # feed the q/k/v projections and the MLP, which keep them untiled; tiled, each computes the norm in its tiles.
+    ids = torch.randint(1, VOCAB, (1, 64), generator=torch.Generator().manual_seed(1))
+
+    def norm_outputs_saved(tile_mlp):
+        model = hf.enable((lora if adapters else (lambda m: m))(llama()), "recompute", tile_mlp=tile_mlp).train()
+        layer = model.get_base_model().model.layers[0] if adapters else model.model.layers[0]
+        layer.gradient_checkpointing = False
+        outputs = []  # held: no other tensor reuses their memory
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.register_forward_hook(lambda module, args, out: outputs.append(out))
+        saved = set()
+        note = lambda t: saved.add(t.untyped_storage().data_ptr()) or t  # noqa: E731
+        with torch.autograd.graph.saved_tensors_hooks(note, lambda t: t):
+            loss = model(input_ids=ids, labels=ids).loss
+        assert len(outputs) == 2
+        kept = sum(out.untyped_storage().data_ptr() in saved for out in outputs)
+        loss.backward()
+        return kept
+
+    assert norm_outputs_saved(False) == 2
+    assert norm_outputs_saved(24) == 0
+
+
+def test_a_norm_output_changed_in_place_is_not_recomputed_from_the_norm():
+    norm = torch.nn.LayerNorm(8)
+    watched = _NormOutputs([norm])
+    given = torch.randn(2, 8)
+    out = norm(given)
+    found = watched.source(out)
+    assert found is not None and found[0] is norm and found[1] is given
+    with torch.no_grad():
+        out.mul_(2)
+    assert watched.source(out) is None and watched.source(given) is None
+    watched.remove()
+    norm(given)
+    assert watched.made == {}
 
 
 @pytest.mark.parametrize("value", [0, -3, 2.5, "yes"])

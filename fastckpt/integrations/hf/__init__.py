@@ -16,7 +16,8 @@ One concept per file; each imports only files listed after it:
 - attention.py: `enable(padded_attention=True)`, SDPA on padded or packed rows without the [tokens x tokens]
   mask: the mask form (`CausalSegmentsMask`) and the calls per segment (`PaddedAttention`);
 - tiled_mlp.py: `enable(tile_mlp=...)`, the decoder layers' MLPs computed in tiles of tokens, each recomputed
-  alone in backward (`TiledMLPs`, through fastckpt.tiling.recompute_in_tiles);
+  alone in backward, and the norms folded into the tiles of the modules they feed (`TiledMLPs`, through
+  fastckpt.tiling.recompute_in_tiles);
 - adapters.py: PEFT LoRA's input casts that autocast undoes, switched off (`AdapterInputCasts`);
 - pretrained.py: the transformers PreTrainedModel behind the model passed (a PEFT model unwrapped);
 - gateway.py: the one door to transformers', PEFT's, TRL's and accelerate's internals and torch Module's hook
