@@ -7,7 +7,7 @@ Computed `tile` tokens at a time, with only its input kept and each tile recompu
 (`fastckpt.tiling.recompute_in_tiles`), that working set stops growing with the length, for one more forward of
 the MLP. Next come the full-length tensors the layer keeps for its backward: a norm's output is one of them,
 saved by every module it feeds (the attention's q/k/v projections, the MLP), beside the norm's input, which the
-norm saves too. So a position-wise module handed a norm's output (recognised at run time, `_NormOutputs`: no
+norm saves too. So a position-wise module handed a norm's output (recognised at run time, `_NotedNorm`: no
 model's code is read) computes the norm and itself together, tile by tile, from the norm's input: the norm's
 full-length output is then not kept, one [tokens x hidden] tensor less per norm and recomputed layer, for one
 more norm (and, for a projection, one more projection) per tile in backward. Everything tiled here is
@@ -34,35 +34,34 @@ def default_tile(config: Any) -> int:
     return max(MIN_TILE, int(getattr(config, "hidden_size", 0) or 0))
 
 
-class _NormOutputs:
-    """A forward hook on each norm of one decoder layer (its children whose class name ends in "Norm"): the last
-    output each made and the input it was made from, both held weakly (the layer's forward holds them while the
-    modules the norm feeds run)."""
+class _NotedNorm:
+    """Stands in for a decoder layer's norm's `forward` (an instance attribute): the norm's own, noting the last
+    output it made and the input it made it from, both held weakly (the layer's forward holds them while the
+    modules the norm feeds run), with their versions (a tensor changed in place since is no longer the pair)."""
 
-    def __init__(self, norms: list[torch.nn.Module]) -> None:
-        # norm -> (its output, its input, their versions): a tensor changed in place since is no longer the pair
-        self.made: dict[torch.nn.Module, tuple[weakref.ref, weakref.ref, tuple[int, int]]] = {}
-        self.handles = [norm.register_forward_hook(self._note) for norm in norms]
+    def __init__(self, norm: torch.nn.Module) -> None:
+        self.norm = norm  # held, not weakly referenced: copy.deepcopy maps it to the copy's module
+        self.made: tuple[weakref.ref, weakref.ref, tuple[int, int]] | None = None
 
-    def _note(self, norm: torch.nn.Module, args: tuple, output: Any) -> None:
-        self.made.pop(norm, None)
-        if len(args) == 1 and isinstance(args[0], torch.Tensor) and isinstance(output, torch.Tensor):
-            if output.shape == args[0].shape:
-                versions = (output._version, args[0]._version)
-                self.made[norm] = (weakref.ref(output), weakref.ref(args[0]), versions)
+    def own(self, x: torch.Tensor) -> torch.Tensor:
+        return type(self.norm).forward(self.norm, x)
 
-    def source(self, x: torch.Tensor) -> tuple[torch.nn.Module, torch.Tensor] | None:
-        """(the norm, its input) when `x` is a norm's last output, else None."""
-        for norm, (output, given, versions) in self.made.items():
-            made_from = given()
-            if output() is x and made_from is not None and (x._version, made_from._version) == versions:
-                return norm, made_from
+    def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out = type(self.norm).forward(self.norm, x, *args, **kwargs)
+        self.made = None
+        if not args and not kwargs and isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor):
+            if out.shape == x.shape:
+                self.made = (weakref.ref(out), weakref.ref(x), (out._version, x._version))
+        return out
+
+    def input_of(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The input this norm made `x` from, when `x` is its last output (unchanged since), else None."""
+        if self.made is None:
+            return None
+        output, given, versions = self.made[0](), self.made[1](), self.made[2]
+        if output is x and given is not None and (x._version, given._version) == versions:
+            return given
         return None
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        self.made.clear()
 
 
 def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -71,12 +70,12 @@ def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 class _Tiled:
     """Stands in for a position-wise module's `forward` (an instance attribute): on an input longer than `tile`
-    tokens in a training forward, `recompute_in_tiles` runs it, from the norm's input together with the norm
-    where the input is a norm's output (`norms`). `whole`: tile the module even when its input is no norm's
-    output (an MLP: its own activations are the memory); a projection alone keeps only its input anyway, so it
-    is tiled only with its norm. Anything else is the module's own forward."""
+    tokens in a training forward, `recompute_in_tiles` runs it, together with the norm from the norm's input
+    where the input is the output of one of its layer's `norms`. `whole`: tile the module even when its input
+    is no norm's output (an MLP: its own activations are the memory); a projection alone keeps only its input
+    anyway, so it is tiled only with its norm. Anything else is the module's own forward."""
 
-    def __init__(self, module: torch.nn.Module, tile: int, norms: _NormOutputs, whole: bool) -> None:
+    def __init__(self, module: torch.nn.Module, tile: int, norms: list[_NotedNorm], whole: bool) -> None:
         self.module = module  # held, not weakly referenced: copy.deepcopy maps it to the copy's module
         self.tile, self.norms, self.whole = tile, norms, whole
 
@@ -86,18 +85,19 @@ class _Tiled:
             return own(x, *args, **kwargs)
         if x.shape[-2] <= self.tile:
             return own(x)
-        source = self.norms.source(x)
-        if source is None and not self.whole:
+        noted, given = next(
+            ((norm, norm.input_of(x)) for norm in self.norms if norm.input_of(x) is not None), (None, x)
+        )
+        if noted is None and not self.whole:
             return own(x)
-        if source is None:
-            function, given, trained = own, x, _trained(self.module)
+        if noted is None:
+            function, trained = own, _trained(self.module)
         else:
-            norm, given = source
 
             def function(piece: torch.Tensor) -> torch.Tensor:
-                return own(norm.forward(piece))  # the norm's forward without its hooks: a tile is no layer output
+                return own(noted.own(piece))  # the norm's own forward: a tile's output is noted nowhere
 
-            trained = _trained(self.module) + _trained(norm)
+            trained = _trained(self.module) + _trained(noted.norm)
         if not trained and not given.requires_grad:
             return own(x)
         return recompute_in_tiles(function, given, self.tile, dim=-2, parameters=trained)
@@ -125,7 +125,7 @@ def _position_wise(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]
 
 class TiledMLPs(Patch):
     """Each checkpointing decoder layer's MLP and attention projections' `forward` replaced by a `_Tiled` of
-    `settings.tile_mlp` tokens, its norms watched by a `_NormOutputs`."""
+    `settings.tile_mlp` tokens, and its norms' by a `_NotedNorm`."""
 
     @classmethod
     def wanted(cls, settings: Settings) -> bool:
@@ -139,16 +139,16 @@ class TiledMLPs(Patch):
                 continue
             modules = _position_wise(layer)
             if modules:
-                norms = _NormOutputs([m for m in layer.children() if type(m).__name__.endswith("Norm")])
+                norms = [_NotedNorm(m) for m in layer.children() if type(m).__name__.endswith("Norm")]
+                for noted in norms:
+                    noted.norm.forward = noted
                 for module, whole in modules:
                     module.forward = _Tiled(module, settings.tile_mlp, norms, whole)
 
     @classmethod
     def remove(cls, pretrained: torch.nn.Module) -> None:
         for module in pretrained.modules():
-            tiled = module.__dict__.get("forward")
-            if isinstance(tiled, _Tiled):
-                tiled.norms.remove()
+            if isinstance(module.__dict__.get("forward"), (_Tiled, _NotedNorm)):
                 del module.forward
 
     @staticmethod
