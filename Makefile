@@ -19,8 +19,8 @@ $(VENV)/.deps: requirements.txt
 build: $(VENV)/.deps
 	$(PY) setup.py --quiet build_ext --inplace
 
-# Tests in TEST_WORKERS processes (pytest-xdist): most tests are small models whose time is Python's, so two
-# processes on a 2-core machine finish sooner than one; TEST_WORKERS=0 runs them in this process.
+# Tests in TEST_WORKERS processes (pytest-xdist): most tests are small models whose time is Python's, which a
+# second process overlaps on a 2-core machine; TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
 test: build

@@ -181,9 +181,8 @@ def enable(
     in backward (tiled_mlp.py): a long sequence's recomputed layer then holds one tile's MLP activations, not the
     whole length's, for one more forward of the MLP; a norm whose output feeds the MLP or the attention's
     projections is computed in their tiles (its full-length output not kept). None (default): on under a
-    recompute policy, with tiles of
-    `max(1024, hidden_size)` tokens; True: on under any policy or budget; an int: on, with tiles of that many
-    tokens; False: off.
+    recompute policy, with tiles of `max(1024, hidden_size)` tokens; True: on under any policy or budget; an int:
+    on, with tiles of that many tokens; False: off.
     """
     pretrained = _pretrained_model(model)
     if not isinstance(every_n_layers, int) or isinstance(every_n_layers, bool) or every_n_layers < 1:
