@@ -43,11 +43,12 @@ class _NotedNorm:
         self.norm = norm  # held, not weakly referenced: copy.deepcopy maps it to the copy's module
         self.made: tuple[weakref.ref, weakref.ref, tuple[int, int]] | None = None
 
-    def own(self, x: torch.Tensor) -> torch.Tensor:
-        return type(self.norm).forward(self.norm, x)
+    def own(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """The norm's class forward (a tile's output is noted nowhere)."""
+        return type(self.norm).forward(self.norm, x, *args, **kwargs)
 
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        out = type(self.norm).forward(self.norm, x, *args, **kwargs)
+        out = self.own(x, *args, **kwargs)
         self.made = None
         if not args and not kwargs and isinstance(x, torch.Tensor) and isinstance(out, torch.Tensor):
             if out.shape == x.shape:
@@ -62,6 +63,10 @@ class _NotedNorm:
         if output is x and given is not None and (x._version, given._version) == versions:
             return given
         return None
+
+
+def _is_norm(module: torch.nn.Module) -> bool:
+    return type(module).__name__.endswith("Norm")
 
 
 def _trained(module: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -85,9 +90,12 @@ class _Tiled:
             return own(x, *args, **kwargs)
         if x.shape[-2] <= self.tile:
             return own(x)
-        noted, given = next(
-            ((norm, norm.input_of(x)) for norm in self.norms if norm.input_of(x) is not None), (None, x)
-        )
+        noted, given = None, x
+        for norm in self.norms:
+            made_from = norm.input_of(x)
+            if made_from is not None:
+                noted, given = norm, made_from
+                break
         if noted is None and not self.whole:
             return own(x)
         if noted is None:
@@ -95,7 +103,7 @@ class _Tiled:
         else:
 
             def function(piece: torch.Tensor) -> torch.Tensor:
-                return own(noted.own(piece))  # the norm's own forward: a tile's output is noted nowhere
+                return own(noted.own(piece))
 
             trained = _trained(self.module) + _trained(noted.norm)
         if not trained and not given.requires_grad:
@@ -115,7 +123,7 @@ def _position_wise(layer: torch.nn.Module) -> list[tuple[torch.nn.Module, bool]]
         if type(mlp).__name__.endswith("MLP") and len(parameters) == 1:
             found.append((mlp, True))
     for child in layer.children():
-        if child is mlp or type(child).__name__.endswith("Norm"):
+        if child is mlp or _is_norm(child):
             continue
         for module in child.children():
             if isinstance(module, torch.nn.Linear) or isinstance(getattr(module, "base_layer", None), torch.nn.Linear):
@@ -139,7 +147,7 @@ class TiledMLPs(Patch):
                 continue
             modules = _position_wise(layer)
             if modules:
-                norms = [_NotedNorm(m) for m in layer.children() if type(m).__name__.endswith("Norm")]
+                norms = [_NotedNorm(m) for m in layer.children() if _is_norm(m)]
                 for noted in norms:
                     noted.norm.forward = noted
                 for module, whole in modules:
