@@ -28,13 +28,12 @@ measures in fp32 there, whose activations are twice bf16's (the report says whic
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +44,7 @@ from fastckpt.integrations.hf.tiled_mlp import default_tile
 from fastckpt.memory import peak_bytes
 from fastckpt.planner.budgets import format_bytes, total_bytes
 from fastckpt.policies import Policy
+from fastckpt.storage import offload
 
 _NAME = "fastckpt.fits"
 # The two depths measured. At one layer the only layer is also the last, whose backward starts beside what the
@@ -357,31 +357,9 @@ def measure_steps(config: Any, policy: str | None, lora: int | None, dtype: torc
     for tokens in lengths:
         step = _step(model, tokens, config.vocab_size, device, autocast)
         step()  # warm-up: what is allocated once (caches, lazily built buffers) is not the step's
-        with _offloaded_off_the_device(device) as arena:
+        with offload.copies_apart(device) as arena:
             peaks[tokens] = (peak_bytes(step, device), arena.allocated_bytes)
     return peaks
-
-
-@contextlib.contextmanager
-def _offloaded_off_the_device(device: torch.device) -> Iterator[Any]:
-    """The offload engine's host buffers for the block, counted apart (`allocated_bytes`). On a CPU the engine
-    copies the step's tensors as it would a GPU's, into buffers from numpy, outside torch's allocator and so
-    outside the measured peak: on a GPU they are host memory, not the device's."""
-    import numpy
-
-    from fastckpt.storage import offload
-
-    engine, on_cpu = offload.ENGINE, device.type == "cpu"
-    if on_cpu:
-        arena = offload.HostArena(allocate=lambda nbytes: torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8)))
-    else:
-        arena = offload.HostArena()
-    saved = engine.arena, engine.copies_cpu_tensors
-    engine.arena, engine.copies_cpu_tensors = arena, on_cpu
-    try:
-        yield arena
-    finally:
-        engine.arena, engine.copies_cpu_tensors = saved
 
 
 def what_fits(

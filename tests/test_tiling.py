@@ -259,6 +259,37 @@ def test_recompute_in_tiles_inside_a_recomputed_segment_holds_one_tile():
     assert tiles < 0.5 * whole
 
 
+class Layer(torch.nn.Module):
+    """A projection, then the MLP in tiles (its input the last tensor the layer saves), then, with `after`, an op
+    that saves the MLP's output (a post-MLP norm's input)."""
+
+    def __init__(self, after: bool) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.proj, self.tiles, self.after = torch.nn.Linear(32, 32), Tiles(mlp(), 16), after
+        self.calls = []  # the positions each call of the MLP got
+        self.tiles.module.register_forward_pre_hook(lambda module, args: self.calls.append(args[0].shape[1]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tiles(self.proj(x))
+        return torch.nn.functional.layer_norm(out, (32,)) if self.after else out
+
+
+@pytest.mark.parametrize("after", [False, True])
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_a_recomputation_that_stops_at_the_tiles_input_skips_their_forward(after, early_stop):
+    layer, x = Layer(after), torch.randn(2, 48, 32)
+    untiled = Layer(after)
+    untiled.tiles = untiled.tiles.module
+    expected = output_and_grads(untiled, x)
+    got = output_and_grads(layer, x, policy="recompute", use_reentrant=False, early_stop=early_stop)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-6, atol=1e-6)
+    assert rel_l2(got[1], expected[1]) < 1e-6
+    skipped = early_stop and not after  # the MLP's output saved by nothing: the recomputation runs one position
+    recomputation = [1] if skipped else [16] * 3
+    assert layer.calls == [16] * 3 + recomputation + [16] * 3  # forward, recomputation, the tiles' backward
+
+
 def test_recompute_in_tiles_names_a_bad_tile():
     with pytest.raises(ValueError, match="`tile` must be an integer >= 1"):
         recompute_in_tiles(mlp(), torch.randn(2, 8, 32), 0)

@@ -309,7 +309,20 @@ def _recompute_hooks(frame: _Frame, gid: Any, storage: SegmentStorage | None = N
         with disable_current_modes():
             return storage.unpack(packed)
 
+    if frame.early_stop:  # (saves_left_to_recompute) without it, what runs after the last save reads the outputs
+        pack.saves_left = lambda: len(frame.weak_holders) - frame.recompute_count[gid]
     return _InternalHooks(pack, unpack)
+
+
+def saves_left_to_recompute() -> int | None:
+    """Inside a recomputation with early stop whose hooks are the innermost saved-tensor hooks: how many of the
+    tensors the forward saved it has yet to remake; None anywhere else. A function whose own saves are the last
+    ones can skip computing its output there: the recomputation stops at them, and nothing reads the output
+    (fastckpt.tiling.recompute_in_tiles does)."""
+    top = _compat.top_saved_tensors_default_hooks()
+    hooks = top(False) if top is not None else None
+    saves_left = getattr(hooks[0], "saves_left", None) if hooks is not None else None
+    return saves_left() if saves_left is not None else None
 
 
 def _resolve_debug(debug: bool) -> bool:

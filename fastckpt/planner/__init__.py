@@ -20,6 +20,7 @@ from fastckpt.planner import solver
 from fastckpt.planner.candidates import (
     DEFAULT_CANDIDATES,
     NONE,
+    OFFLOAD_CANDIDATES,
     POLICY_CANDIDATES,
     REFERENCE,
     Candidate,
@@ -35,6 +36,7 @@ from fastckpt.planner.segments import Segment
 __all__ = [
     "DEFAULT_CANDIDATES",
     "NONE",
+    "OFFLOAD_CANDIDATES",
     "POLICY_CANDIDATES",
     "REFERENCE",
     "Candidate",

@@ -36,6 +36,9 @@ SELECTIVE_PREFIXES = (hybrid.PREFIX, hybrid.ATTENTION_PREFIX)
 ATTENTION_CANDIDATES = ("selective-attention:int8", "selective-attention:recompute:int8+int8")
 _SLICED = ("int8", "recompute", "recompute+int8", "recompute:int8+int8")
 DEFAULT_BATCH_SLICES = (2,)
+# The segment's inputs kept in host memory (pinned, prefetched a segment ahead in the backward on CUDA), as they
+# are or int8. Not among the defaults: they spend host memory, which no budget counts (plan(offload=True)).
+OFFLOAD_CANDIDATES = ("recompute+offload", "recompute+int8+offload")
 
 
 @dataclass(frozen=True)
@@ -83,10 +86,17 @@ def parse_candidate(candidate: str | Policy | Candidate | None) -> Candidate:
     return Candidate(str(policy), policy)
 
 
-def parse_candidates(candidates: Iterable[str | Policy | None] | None) -> list[Candidate]:
-    """plan()'s `candidates` parsed, each once (default: DEFAULT_CANDIDATES), with errors naming the bad one."""
-    if candidates is None:
-        return [parse_candidate(name) for name in DEFAULT_CANDIDATES]
+def parse_candidates(candidates: Iterable[str | Policy | None] | None, offload: bool = False) -> list[Candidate]:
+    """plan()'s `candidates` parsed, each once (default: DEFAULT_CANDIDATES), with errors naming the bad one;
+    `offload` adds the OFFLOAD_CANDIDATES not among them."""
+    if not isinstance(offload, bool):
+        raise TypeError(f"fastckpt.plan: `offload` must be True or False, got {offload!r}")
+    parsed = [parse_candidate(name) for name in DEFAULT_CANDIDATES] if candidates is None else _named(candidates)
+    return parsed + [c for c in map(parse_candidate, OFFLOAD_CANDIDATES if offload else ()) if c not in parsed]
+
+
+def _named(candidates: Iterable[str | Policy | None]) -> list[Candidate]:
+    """The candidates a user named, parsed."""
     if isinstance(candidates, (str, Policy)):
         raise TypeError("fastckpt.plan: `candidates` must be a list of policies, e.g. ['none', 'recompute', 'int8']")
     parsed: list[Candidate] = []
@@ -111,12 +121,14 @@ def parse_candidates(candidates: Iterable[str | Policy | None] | None) -> list[C
     return parsed
 
 
-def extended_candidates(batch_slices: Iterable[int] = ()) -> list[str]:
+def extended_candidates(batch_slices: Iterable[int] = (), offload: bool = False) -> list[str]:
     """POLICY_CANDIDATES, the fused attention (and dropout's masks) kept instead of recomputed
-    ('selective-attention:...', hybrid.keep_attention), and for each N in `batch_slices` the segment on its
-    batch in N slices ('batch<N>:...': only for segments that treat every sample alone). DEFAULT_CANDIDATES
-    is extended_candidates(DEFAULT_BATCH_SLICES)."""
-    names = [*POLICY_CANDIDATES, *ATTENTION_CANDIDATES]
+    ('selective-attention:...', hybrid.keep_attention), for each N in `batch_slices` the segment on its
+    batch in N slices ('batch<N>:...': only for segments that treat every sample alone) and, with `offload`,
+    OFFLOAD_CANDIDATES. DEFAULT_CANDIDATES is extended_candidates(DEFAULT_BATCH_SLICES)."""
+    if not isinstance(offload, bool):
+        raise TypeError(f"fastckpt.extended_candidates: `offload` must be True or False, got {offload!r}")
+    names = [*POLICY_CANDIDATES, *ATTENTION_CANDIDATES, *(OFFLOAD_CANDIDATES if offload else ())]
     for count in batch_slices:
         if not (isinstance(count, int) and not isinstance(count, bool) and count >= 2):
             raise ValueError(

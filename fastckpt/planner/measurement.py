@@ -44,6 +44,7 @@ from fastckpt.planner.candidates import BATCH_PREFIX, NONE, REFERENCE, Candidate
 from fastckpt.planner.checks import NonFinite, finite, max_relative_error
 from fastckpt.planner.model import CandidateMeasurement, SegmentCost
 from fastckpt.planner.segments import Segment, signature
+from fastckpt.storage import offload
 from fastckpt.storage.accounting import nbytes, track
 from fastckpt.storage.packer import observe_shared
 
@@ -57,9 +58,11 @@ class _Recorder:
         self.keys: list[str] = []
         self.times: list[Any] = []
         self.sharing = _Sharing() if trace is not None else None
+        self.sent: list[int] = []  # per mark: the bytes the offload engine had copied to host memory
 
     def mark(self, key: str) -> None:
         self.keys.append(key)
+        self.sent.append(offload.ENGINE.sent_bytes)
         if self.trace is not None:
             self.trace.mark(key)
             self.sharing.check(len(self.keys) - 1)
@@ -313,6 +316,7 @@ class _Traced:
     held_bytes: dict[tuple, int]  # their bytes
     dropped: frozenset  # those freed between the forward and the backward: no segment held them
     transient: list[int]  # per segment: bytes its forward made that live until the forward's end, then freed
+    prefetched: list[int]  # per segment: bytes of its host copies the engine brings back ahead of its backward
 
 
 def _memory_run(
@@ -333,6 +337,9 @@ def _memory_run(
     def peak(span: tuple[int, int]) -> int:
         start, stop = span
         return max([live(start), *(points[k].peak_before for k in range(start + 1, stop + 1))])
+
+    def sent(span: tuple[int, int]) -> int:  # bytes copied to host memory in the span
+        return recorder.sent[span[1]] - recorder.sent[span[0]]
 
     starts = [spans[f"fwd{i}"][0] for i in range(n)]
     l0 = live(starts[0])
@@ -357,6 +364,8 @@ def _memory_run(
         held_bytes={name: size for name, (size, _, _) in held.items()},
         dropped=frozenset(name for name, (_, h, _) in held.items() if h == n),
         transient=_transient(trace.lifetimes, spans, n, sharing.outputs),
+        # the engine prefetches up to its bound of a segment's copies (offload.OffloadEngine._prefetch)
+        prefetched=[min(sent(spans[f"fwd{i}"]), offload.ENGINE.max_prefetch_bytes) for i in range(n)],
     )  # fmt: skip
 
 
@@ -464,6 +473,7 @@ def measure_candidates(
                 made=traced.made[i],
                 held=traced.held[i],
                 transient=traced.transient[i],
+                prefetched=traced.prefetched[i],
             )
             for i in range(len(segments))
         ]

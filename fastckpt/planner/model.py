@@ -25,7 +25,11 @@ without it; with it they are predicted to the byte on CPU):
 - what a segment's forward makes and something outside it keeps until the forward ends (autocast caches its
   casts of the weights for the whole autocast region) is freed then unless the segment saved it (plain
   autograd saves the casts): measured per segment (CPU: MemoryTrace.lifetimes), it stays in K_i for the
-  forward levels and the solver takes it off the backward levels.
+  forward levels and the solver takes it off the backward levels;
+- a segment whose inputs are offloaded to host memory has them brought back (prefetched) when the backward of
+  the next segment begins, or of the next offloading segment with other candidates between them: live there
+  and until its own backward. X_i here are the levels without the previous segment's prefetched copies, and
+  the solver adds those of the nearest offloading segment before i (whether or not a later one triggers it).
 
 Predicted step time: the candidates' median time outside the segments, plus the chosen t_i.
 
@@ -54,6 +58,7 @@ class SegmentCost:
     made: frozenset = frozenset()  # those of them it made (the first segment using them)
     held: frozenset = frozenset()  # tensors from before the segments it holds past the forward (model docstring)
     transient: int = 0  # of kept_bytes, those freed once the forward ends (model docstring)
+    prefetched: int = 0  # bytes of its host copies (offload) brought back ahead of its backward (model docstring)
 
 
 @dataclass
@@ -136,12 +141,16 @@ def _option(m: CandidateMeasurement, i: int, last: bool, dropped: frozenset, tai
     # ... and the transient bytes already freed are those of the segments up to i
     transient = sum(c.transient for c in m.segments[: i + 1])
     held_bytes = sum(m.held_bytes[name] for name in held)
+    # Under m everywhere, segment i's backward brought back segment i-1's host copies: the solver adds those of
+    # whichever offloading segment precedes i in the assignment.
+    prefetched = m.segments[i - 1].prefetched if i > 0 else 0
     return solver.Option(
         cost.kept_bytes - made,
         cost.forward_excess - made,
-        cost.backward_level - held_bytes + transient,
+        cost.backward_level - held_bytes + transient - prefetched,
         cost.seconds,
         transient=cost.transient,
+        prefetched=cost.prefetched,
         # the loss and head may run before the transient bytes are freed: the tail keeps them
         tail=m.tail_level - held_bytes + tail_bytes if last else None,
         shared=frozenset(("form", form) for form in cost.shared),

@@ -20,6 +20,7 @@ from fastckpt.planner.measurement import gradient_errors, measure_candidates, ti
 from fastckpt.planner.model import CandidateMeasurement, TailOption
 from fastckpt.planner.segments import Segment, check_arguments, device_of, find_segments
 from fastckpt.policies import Policy
+from fastckpt.storage import offload as offload_engine
 
 VERIFY_ATTEMPTS = 4  # plans a verifying plan() runs before it gives up on a budget
 
@@ -382,6 +383,7 @@ def plan(
     progress: bool = True,
     optimizer: Any = None,
     gradients: str = "set_to_none",
+    offload: bool = False,
 ) -> Plan:
     """The fastest assignment of candidate policies to the segments of `model` predicted to fit `budget`.
 
@@ -416,7 +418,10 @@ def plan(
     assignment fits, naming the smallest budget. `verify` (default True) runs the chosen plan once and plans again
     while it measures over the budget (Measurements.plan). `progress` shows a progress bar with the remaining time
     while it measures (tqdm, on a terminal only). `optimizer` and `gradients`: each run as the user's loop runs it
-    (measure()).
+    (measure()). `offload=True` adds OFFLOAD_CANDIDATES, the segment's inputs kept in host memory (pinned,
+    prefetched a segment ahead in the backward), as they are or int8: the budget counts the device's bytes, not the
+    host's; on a CPU, where host memory is the device's, they would keep what they keep without offload, so they
+    are left out there with a warning (fastckpt.storage.offload.copies_apart emulates a GPU's there).
     """
     check_budget(budget)
     if not isinstance(verify, bool):
@@ -431,6 +436,7 @@ def plan(
         progress=progress,
         optimizer=optimizer,
         gradients=gradients,
+        offload=offload,
     )
     return measured.plan(budget, verify=verify)
 
@@ -446,6 +452,7 @@ def measure(
     progress: bool = True,
     optimizer: Any = None,
     gradients: str = "set_to_none",
+    offload: bool = False,
 ) -> Measurements:
     """Measure every candidate on the segments (what `plan` does before solving); plan any budget from it.
     `progress`: a progress bar of the step() runs with the remaining time (tqdm, on a terminal only).
@@ -460,9 +467,19 @@ def measure(
     check_gradients(gradients)
     if not isinstance(progress, bool):
         raise TypeError(f"fastckpt.plan: `progress` must be True or False, got {progress!r}")
-    parsed = parse_candidates(candidates)
+    parsed = parse_candidates(candidates, offload)
     segments = find_segments(model, check_fn)
     device = device_of(model)
+    # Candidates the probe shows to be wrong or the same as another here. Left out with a warning when the
+    # user named them, silently (listed in table()) when they are defaults: a batch slice needs segments that
+    # take nothing else batched, and the kept attention needs attention. Offload ones the user asked for.
+    refused: dict[str, str] = {}
+    if device.type == "cpu" and not offload_engine.ENGINE.copies_cpu_tensors:
+        for candidate in parsed:
+            if candidate.policy is not None and candidate.policy.offload:
+                refused[candidate.name] = "on a CPU host memory is the device's: offload moves nothing there"
+    asked = {c.name for c in parsed if candidates is not None or (c.policy is not None and c.policy.offload)}
+    parsed = [c for c in parsed if c.name not in refused]
     resident = Resident.measure(model, device, optimizer, gradients)  # before any step of ours
     names = [candidate.name for candidate in parsed]
     measured = parsed if REFERENCE in names else [*parsed, parse_candidate(REFERENCE)]
@@ -478,10 +495,6 @@ def measure(
         bar.update()
         return result
 
-    # Candidates the probe shows to be wrong or the same as another here. Left out with a warning when the
-    # user named them, silently (listed in table()) when they are defaults: a batch slice needs segments that
-    # take nothing else batched, and the kept attention needs attention.
-    refused: dict[str, str] = {}
     with iteration.session(), contextlib.closing(bar):
         if probing:
             probed = probe(segments, step, watched)
@@ -516,7 +529,7 @@ def measure(
                 by_policy[name].grad_error = error
     skipped = {name: failed.pop(name) for name in quiet if name in failed}
     for name, why in refused.items():
-        if candidates is None:
+        if name not in asked:
             skipped[name] = why
         else:
             failed[name] = why

@@ -11,21 +11,23 @@ and backward reach, its `seconds`, two sets of things segments share, whose byte
   after the forward unless an option holds them: then live until the backward of the first segment holding
   them. The forward levels count them in `base` already; `after` is the level as if none were held;
 
-and `transient`, the part of `kept` freed once the forward ends. With S_i = kept of segments 1..i (each
-under its chosen option), D_i their transient bytes, U_i the shared forms used by segments 1..i and H_i the
-tensors held by them, the peak of a choice is
+`transient`, the part of `kept` freed once the forward ends, and `prefetched`, an offloading option's bytes
+brought back to the device from the backward of the next segment on. With S_i = kept of segments 1..i (each
+under its chosen option), D_i their transient bytes, U_i the shared forms used by segments 1..i, H_i the
+tensors held by them and P_i the prefetched bytes of the last offloading segment before i (0: none), the peak
+of a choice is
 
     peak = max( floor,
-                max_i base + S_(i-1) + bytes(U_i) + before_i,                   (segment i's forward)
-                max_i base + S_i - D_i + bytes(U_i) + bytes(H_i) + after_i,     (its backward: later ones freed)
-                base + S_n + bytes(U_n) + bytes(H_n) + tail_n )                 (the last one's `tail`, if any)
+                max_i base + S_(i-1) + bytes(U_i) + before_i,                        (segment i's forward)
+                max_i base + S_i - D_i + bytes(U_i) + bytes(H_i) + after_i + P_i,    (its backward)
+                base + S_n + bytes(U_n) + bytes(H_n) + tail_n )                      (the last one's `tail`)
 
 and its time is the sum of the chosen `seconds`. `base` is what is live before the first segment, `floor`
 the peak outside every segment.
 
-Every term depends only on the prefix (S, D, U, H) and one segment's option, so this is a knapsack over
-segments: a dynamic programme over prefixes keeping, for each (S, D, U, H), the best one. Among prefixes of
-the same D, U and H a smaller S with no worse value dominates (every later level only grows with S), so only
+Every term depends only on the prefix (S, D, U, H, P) and one segment's option, so this is a knapsack over
+segments: a dynamic programme over prefixes keeping, for each (S, D, U, H, P), the best one. Among prefixes of
+the same D, U, H and P a smaller S with no worse value dominates (every later level only grows with S), so only
 that Pareto front is kept; it is exact while a front has at most MAX_STATES states, and beyond that it is
 thinned to two states per byte bin (the one with the most room left and the best value), which may miss a
 choice but never returns one above the budget. Ties go to the earlier option and the earlier prefix.
@@ -55,10 +57,12 @@ class Option:
     transient: int = 0  # of `kept`, the bytes freed once the forward ends (live in the forward levels only)
     tail: int | None = None  # the last segment's: the level between the forward and its backward, as `after`
     # but with the transient bytes still live (what the loss and the head reach before the forward has ended)
+    prefetched: int = 0  # offload: bytes of its host copies back on the device from the next one's backward on
 
 
 Options = Sequence[Sequence[Option]]
-Prefix = tuple[frozenset, frozenset, int]  # (U, H, D): shared forms used, tensors held, transient bytes so far
+# (U, H, D, P): shared forms used, tensors held, transient bytes so far, the last offloading segment's prefetch
+Prefix = tuple[frozenset, frozenset, int, int]
 
 
 class _Levels:
@@ -73,20 +77,21 @@ class _Levels:
 
     def step(self, s: int, prefix: Prefix, option: Option) -> tuple[int, Prefix, int]:
         """(largest level of `option` after prefix (s, prefix), the prefix after it, its S)."""
-        used, held, transient = prefix
+        used, held, transient, prefetch = prefix
         used_after = used | option.shared if option.shared else used
         held_after = held | option.held if option.held else held
         transient += option.transient
         shared = self.bytes(used_after)
         forward = self.base + s + shared + option.before
         after = self.base + s + option.kept + shared + self.bytes(held_after)
-        backward = after - transient + option.after
+        backward = after - transient + option.after + prefetch
         if option.tail is not None:
             backward = max(backward, after + option.tail)
-        return max(forward, backward), (used_after, held_after, transient), s + option.kept
+        prefetch = option.prefetched or prefetch
+        return max(forward, backward), (used_after, held_after, transient, prefetch), s + option.kept
 
 
-EMPTY: Prefix = (frozenset(), frozenset(), 0)
+EMPTY: Prefix = (frozenset(), frozenset(), 0, 0)
 NOTHING_SHARED: Mapping[Hashable, int] = MappingProxyType({})
 
 

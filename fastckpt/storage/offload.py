@@ -26,7 +26,7 @@ import collections
 import contextlib
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -151,6 +151,7 @@ class OffloadEngine:
         # like a GPU's (fastckpt.fits measures on a CPU what a GPU would keep on its device).
         self.copies_cpu_tensors = False
         self.waits_for_bound = 0  # times forward waited for a queued copy to finish
+        self.sent_bytes = 0  # bytes copied to host memory so far (the planner reads each segment's share)
         self.prefetched = 0  # tensors copied back ahead of their use
         self.prefetch_hits = 0  # tensors whose unpack found them already prefetched
 
@@ -166,6 +167,7 @@ class OffloadEngine:
     def to_host(self, t: torch.Tensor, group: OffloadGroup | None = None) -> HostCopy:
         """Start copying `t` to host memory; returns at once (CUDA) or after the copy (CPU)."""
         nbytes = t.nbytes
+        self.sent_bytes += nbytes
         self._bound_in_flight(nbytes)
         buffer, writable = self.arena.take(nbytes)
         host = buffer.view(t.dtype).view(t.shape) if nbytes else torch.empty(t.shape, dtype=t.dtype)
@@ -289,3 +291,24 @@ def to_host(t: torch.Tensor, group: OffloadGroup | None = None) -> HostCopy:
 def to_device(copy: HostCopy) -> torch.Tensor:
     """Bring a host copy back to its device on the current stream."""
     return ENGINE.to_device(copy)
+
+
+@contextlib.contextmanager
+def copies_apart(device: torch.device) -> Iterator[HostArena]:
+    """The engine's host buffers counted apart from the device's memory, in a new arena (its `allocated_bytes`).
+    On a CPU the engine then copies the step's tensors as it would a GPU's, into buffers from numpy, outside
+    torch's allocator and so outside a measured peak: what a GPU's device would keep (fastckpt.fits, and the
+    planner's offload candidates tested on a CPU)."""
+    import numpy
+
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        arena = HostArena(allocate=lambda nbytes: torch.from_numpy(numpy.empty(nbytes, dtype=numpy.uint8)))
+    else:
+        arena = HostArena()
+    saved = ENGINE.arena, ENGINE.copies_cpu_tensors
+    ENGINE.arena, ENGINE.copies_cpu_tensors = arena, on_cpu
+    try:
+        yield arena
+    finally:
+        ENGINE.arena, ENGINE.copies_cpu_tensors = saved

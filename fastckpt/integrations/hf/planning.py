@@ -128,7 +128,7 @@ def planned(model: Any) -> Any:
 # step's by 2.4-6.0e-2 (largest relative L2 over the parameters), the int4 forms' by 0.6-0.7 (benchmarks/llm.py).
 PLAN_MAX_ERROR = 8e-2
 # what plan_options may hold
-_PLAN_OPTIONS = ("candidates", "repeats", "max_error", "progress", "optimizer", "gradients")
+_PLAN_OPTIONS = ("candidates", "repeats", "max_error", "progress", "optimizer", "gradients", "offload")
 
 
 class _FirstBatchPlan(Patch):
