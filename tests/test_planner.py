@@ -1,9 +1,9 @@
-"""fastckpt.plan: segments, measurement, peak model, solver, apply, and argument errors."""
+"""fastckpt.plan: segments, measurement (the memory trace, segment times, timing rounds), the peak model against
+measured peaks, verifying runs, apply, and argument errors; and the helpers the other planner tests import
+(Block, Net, make, CANDIDATES, RefusingBlock, recorded_bars)."""
 
 from __future__ import annotations
 
-import itertools
-import math
 import random
 from collections.abc import Callable
 
@@ -13,29 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import fastckpt
-from fastckpt import CheckpointWrapper, hybrid
+from fastckpt import CheckpointWrapper
 from fastckpt.memory import MemoryTrace, peak_bytes
-from fastckpt.planner import (
-    DEFAULT_CANDIDATES,
-    NONE,
-    REFERENCE,
-    Candidate,
-    CandidateMeasurement,
-    Measurements,
-    Segment,
-    SegmentCost,
-    extended_candidates,
-    max_relative_error,
-    measure,
-    parse_candidate,
-)
-from fastckpt.planner.checks import probe, samples_mixed
+from fastckpt.planner import DEFAULT_CANDIDATES, NONE, Measurements, Segment, measure, parse_candidate
 from fastckpt.planner.measurement import segment_seconds, timing_rounds
-from fastckpt.planner.model import TailOption, fastest_within, predicted_peak, smallest_peak
-from fastckpt.planner.segments import find_segments
-from fastckpt.storage import codecs
-from fastckpt.tiling import TiledWrapper
-from tests.helpers import needs_sac_hooks
 
 
 class Block(nn.Module):
@@ -310,74 +291,6 @@ def test_planning_steps_run_no_post_accumulate_grad_hook():
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
-@needs_sac_hooks
-def test_selective_candidate_is_measured_planned_and_applied():
-    model, step = make(layers=3)
-    measurements = measure(model, step, candidates=["recompute", "selective:int8", "int8"], repeats=1)
-    selective, stock = measurements.by_policy["selective:int8"], measurements.by_policy["recompute"]
-    # It keeps the two matmul outputs per block 8-bit (more than recompute's input, less than int8's four).
-    assert 7.5 < selective.bits_per_element < 8.5
-    assert all(s.kept_bytes > r.kept_bytes for s, r in zip(selective.segments, stock.segments, strict=True))
-    assert measurements.predict_peak(["selective:int8"] * 3) == selective.peak
-    plan = measurements.plan(selective.peak)
-    forced = Measurements(model, measurements.segments, ["selective:int8"], measurements.by_policy).plan(selective.peak)
-    forced.apply()
-    try:
-        assert all(isinstance(b, hybrid.SelectiveWrapper) for b in model.blocks)
-        with fastckpt.track() as report:
-            step()
-        # Each block: its input stored int8 (the candidate's recompute+int8), the matmul outputs selective:int8.
-        assert [s.policy for s in report.segments] == ["recompute+int8", "selective:int8"] * 3
-        assert peak_bytes(step) == forced.predicted_peak
-    finally:
-        forced.remove()
-    assert plan.predicted_peak <= selective.peak
-
-
-def test_batch_slices_candidate_is_measured_planned_and_applied():
-    model, step = make(layers=3)
-    measurements = measure(model, step, candidates=["recompute", "batch4:recompute"], repeats=1)
-    sliced, stock = measurements.by_policy["batch4:recompute"], measurements.by_policy["recompute"]
-    # The same input kept per block (and each slice's small bookkeeping), a quarter of the recomputed
-    # activations alive in each backward.
-    for s, r in zip(sliced.segments, stock.segments, strict=True):
-        assert r.kept_bytes <= s.kept_bytes < 1.1 * r.kept_bytes
-        assert s.backward_level < 0.5 * r.backward_level
-    plan = measurements.plan(sliced.peak)
-    assert plan.policies == ["batch4:recompute"] * 3
-    keys = list(model.state_dict())
-    plan.apply()
-    try:
-        assert all(isinstance(b, TiledWrapper) and (b.chunks, b.dim) == (4, 0) for b in model.blocks)
-        assert list(model.state_dict()) == keys
-        assert peak_bytes(step) == plan.predicted_peak
-    finally:
-        plan.remove()
-
-
-@pytest.mark.cuda
-def test_batch_slices_plan_on_cuda_predicts_the_measured_peak():
-    torch.manual_seed(0)
-    model = Net(3).cuda()
-    x = torch.randn(4, 256, 64, device="cuda")
-
-    def step() -> None:
-        model(x).pow(2).mean().backward()
-        model.zero_grad(set_to_none=True)
-
-    measurements = measure(model, step, candidates=["recompute", "int8", "batch4:recompute"], repeats=1)
-    sliced, stock = measurements.by_policy["batch4:recompute"], measurements.by_policy["recompute"]
-    assert all(s.backward_level < r.backward_level for s, r in zip(sliced.segments, stock.segments, strict=True))
-    plan = measurements.plan(sliced.peak)
-    plan.apply()
-    try:
-        step()
-        measured_peak = peak_bytes(step, "cuda")
-    finally:
-        plan.remove()
-    assert abs(plan.predicted_peak - measured_peak) <= 0.10 * measured_peak, (plan.policies, measured_peak)
-
-
 class RefusingBlock(Block):
     """A block that raises `message` when `refuses(x)`, as a model that cannot take what a candidate (a slice
     of the batch, say, with batch-carrying side inputs) or the planner's checks give it."""
@@ -390,102 +303,6 @@ class RefusingBlock(Block):
         if self.refuses(x):
             raise RuntimeError(self.message)
         return super().forward(x)
-
-
-def test_a_candidate_that_fails_on_the_model_is_left_out_with_a_warning():
-    model, step = make(layers=3)
-    for i in range(3):
-        model.blocks[i] = RefusingBlock(lambda x: x.shape[0] != 4, "this block needs the whole batch")
-    with pytest.warns(UserWarning, match=r"candidate 'batch2:recompute' failed on this model, left out \(RuntimeError"):
-        measurements = measure(model, step, candidates=["recompute", "batch2:recompute", "int8"], repeats=1)
-    assert measurements.candidates == ["recompute", "int8"] and list(measurements.failed) == ["batch2:recompute"]
-    assert "failed on this model, left out: RuntimeError: this block needs the whole batch" in measurements.table()
-    assert all(p.grad is None for p in model.parameters())  # the broken step's partial gradients undone
-    with pytest.raises(ValueError, match=r"\['batch2:recompute'\] left out: they failed on this model"):
-        measurements.plan(1)
-    for i in range(3):
-        model.blocks[i] = Block()  # a model that fails under the reference too: its error is raised
-    model.blocks[0].forward = lambda x: (_ for _ in ()).throw(RuntimeError("broken model"))
-    with pytest.raises(RuntimeError, match="broken model"):
-        measure(model, step, candidates=["recompute", "int8"], repeats=1)
-
-
-class BatchNormBlock(Block):
-    """Normalises over the batch in training: its samples are not independent."""
-
-    def __init__(self, dim: int = 64) -> None:
-        super().__init__(dim)
-        self.norm = nn.BatchNorm1d(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(self.norm(x.transpose(1, 2)).transpose(1, 2))
-
-
-class TwoDropoutBlock(Block):
-    """Two random ops per block: batch slices draw their masks in another order than the whole batch."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.dropout(self.fc1(self.ln(x)), 0.2)
-        return x + F.dropout(self.fc2(F.gelu(h)), 0.2)
-
-
-def batchnorm_model():
-    model, step = make(layers=3)
-    torch.manual_seed(1)
-    for i in range(3):
-        model.blocks[i] = BatchNormBlock()
-    return model, step
-
-
-def test_batch_slices_of_blocks_that_mix_samples_are_left_out():
-    model, step = batchnorm_model()
-    with pytest.warns(UserWarning, match=r"'batch2:recompute' left out: segment 'blocks.0' mixes the samples"):
-        measurements = measure(model, step, candidates=["recompute", "batch2:recompute"], repeats=1)
-    assert measurements.candidates == ["recompute"] and "mixes the samples" in measurements.failed["batch2:recompute"]
-
-
-def test_a_segment_the_sample_check_cannot_run_leaves_batch_slices_out():
-    model, step = make(layers=2)
-    for i in range(2):
-        model.blocks[i] = RefusingBlock(lambda x: not torch.is_grad_enabled(), "runs with grad only")
-    with pytest.warns(UserWarning, match=r"'batch2:recompute' left out: segment 'blocks.0' could not be run alone"):
-        measurements = measure(model, step, candidates=["recompute", "batch2:recompute"], repeats=1)
-    assert measurements.candidates == ["recompute"]
-
-
-def test_the_sample_check_leaves_the_buffers_as_the_step_left_them():
-    checked, step = batchnorm_model()
-    twin, twin_step = batchnorm_model()
-    segments = [Segment(f"blocks.{i}", checked.blocks, str(i), b) for i, b in enumerate(checked.blocks)]
-    candidates = [parse_candidate("batch2:recompute"), parse_candidate("int8")]
-    assert list(samples_mixed(segments, probe(segments, step), torch.device("cpu"), candidates)) == [2]
-    twin_step()  # the probe ran one step, then the check its own forwards, whose running statistics it undid
-    for b, t in zip(checked.blocks, twin.blocks, strict=True):
-        torch.testing.assert_close(b.norm.running_mean, t.norm.running_mean, rtol=0, atol=0)
-    assert samples_mixed(segments, probe(segments, lambda: None), torch.device("cpu"), candidates[:1]) == {}
-
-
-def test_batch_slices_are_compared_with_the_same_slices_kept_exactly():
-    model, step = make(layers=3)
-    for i in range(3):
-        model.blocks[i] = TwoDropoutBlock()
-    measurements = measure(model, step, candidates=["recompute", "batch2:recompute", "batch2:int8"], max_error=5e-2)
-    # Recomputing each slice replays its random draws: exact against the same slices stored plainly, though
-    # the slices' masks differ from the whole batch's.
-    assert measurements.by_policy["batch2:recompute"].grad_error < 1e-6
-    assert 0 < measurements.by_policy["batch2:int8"].grad_error <= 1e-2
-    assert measurements.candidates == ["recompute", "batch2:recompute", "batch2:int8"]
-
-
-def test_extended_candidates_name_valid_distinct_candidates():
-    names = extended_candidates(batch_slices=[2, 4])
-    assert names[: len(DEFAULT_CANDIDATES)] == list(DEFAULT_CANDIDATES)
-    assert len(set(names)) == len(names) and {"batch2:int8", "batch4:recompute:int8+int8"} <= set(names)
-    assert [parse_candidate(n).name for n in names] == names  # each its own canonical name
-    assert "selective-attention:int8" in names and "batch2:selective-attention:int8" in names
-    assert extended_candidates() == [n for n in names if not n.startswith("batch")]
-    with pytest.raises(ValueError, match="batch slice count must be an integer >= 2"):
-        extended_candidates(batch_slices=[1])
 
 
 def test_check_fn_chooses_the_segments():
@@ -563,86 +380,6 @@ def test_models_the_planner_cannot_measure_are_refused():
     assert all(isinstance(b, Block) for b in model.blocks)  # a failed measurement leaves the model as it was
 
 
-def synthetic(n: int, names: list[str], seed: int, unit: int) -> dict[str, CandidateMeasurement]:
-    """Random measurements whose byte values are multiples of `unit` (so discretisation is exact)."""
-    rng = random.Random(seed)
-    out = {}
-    for name in names:
-        segments = [
-            SegmentCost(
-                kept_bytes=unit * rng.randint(0, 40),
-                forward_excess=unit * rng.randint(0, 60),
-                backward_level=unit * rng.randint(-10, 60),
-                seconds=rng.uniform(1, 3),
-            )
-            for _ in range(n)
-        ]
-        out[name] = CandidateMeasurement(
-            name, segments, unit * 5, unit * 20, unit * 30, unit * rng.randint(0, 20), 0, 0.0, 1.0, float("nan")
-        )
-    return out
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_solver_matches_brute_force(seed):
-    names = ["a", "b", "c"]
-    n = 5
-    measurements = synthetic(n, names, seed, unit=4099)
-    assignments = list(itertools.product(names, repeat=n))
-    peaks = {a: predicted_peak(measurements, list(a)) for a in assignments}
-    smallest, largest = min(peaks.values()), max(peaks.values())
-    assert predicted_peak(measurements, smallest_peak(measurements, names, n)) == smallest
-
-    def seconds(a):
-        return sum(measurements[p].segments[i].seconds for i, p in enumerate(a))
-
-    for budget in (smallest - 1, smallest, (smallest + largest) // 2, largest):
-        feasible = [a for a in assignments if peaks[a] <= budget]
-        chosen = fastest_within(measurements, names, n, budget)
-        if not feasible:
-            assert chosen is None
-            continue
-        assert chosen is not None and predicted_peak(measurements, chosen) <= budget
-        assert seconds(chosen) == pytest.approx(min(seconds(a) for a in feasible), abs=1e-12)
-
-
-def test_tail_options_are_chosen_with_the_segments():
-    # A loss head's chunk size (a TailOption) moves only the tail level and the time: plan() picks the
-    # (assignment, tail) pair a brute force over both finds, and applying the plan puts the tail in place.
-    names, n, unit = ["int8", "int4", "recompute"], 4, 4099
-    by_policy = synthetic(n, names, seed=3, unit=unit)
-    for m in by_policy.values():  # the loss and head about as large as a segment's levels
-        m.tail_level += 60 * unit
-    calls: list[str] = []
-    tails = [
-        TailOption(name, extra * unit, seconds, lambda name=name: calls.append(name), lambda: calls.append("removed"))
-        for name, extra, seconds in (("small", -15, 0.9), ("as measured", 0, 0.0), ("large", 40, -0.8))
-    ]
-    model = nn.Sequential(*[nn.Linear(1, 1) for _ in range(n)])
-    measurements = Measurements(model, find_segments(model, None), names, by_policy)
-    measurements.tail_options = tails
-    pairs = [(list(a), t) for a in itertools.product(names, repeat=n) for t in tails]
-    peaks = [measurements.predict_peak(a, t) for a, t in pairs]
-    by_assignment: dict[tuple, set] = {}
-    for (a, _), peak in zip(pairs, peaks, strict=True):
-        by_assignment.setdefault(tuple(a), set()).add(peak)
-    assert any(len(p) == len(tails) for p in by_assignment.values())  # the tail can be the peak
-    assert measurements.smallest_feasible_budget() == min(peaks)
-    chosen_tails = set()
-    for budget in sorted(set(peaks))[:: max(1, len(set(peaks)) // 12)]:
-        plan = measurements.plan(budget, verify=False)
-        fitting = [pair for pair, peak in zip(pairs, peaks, strict=True) if peak <= budget]
-        best = min(measurements.predict_seconds(a, t) for a, t in fitting)
-        assert plan.predicted_peak <= budget and plan.predicted_seconds == pytest.approx(best, abs=1e-12)
-        assert plan.predicted_peak == measurements.predict_peak(plan.policies, plan.tail)
-        chosen_tails.add(plan.tail.name)
-    assert {"small", "large"} <= chosen_tails
-    plan.apply()
-    plan.remove()
-    assert calls == [plan.tail.name, "removed"]
-    assert plan.tail.name in plan.table() and "a choice of every plan" in measurements.table()
-
-
 def test_measurements_plan_every_budget_from_one_measurement(measured):
     measurements, _ = measured
     plans = [measurements.plan(b) for b in ("150%", "100%", "85%")]
@@ -718,139 +455,3 @@ def test_timing_rounds_run_every_candidate_on_repeats_segments_of_each_kind(repe
             assert runs_on_kind >= repeats
     one_kind = [Segment(str(i), nn.Module(), str(i), Block()) for i in range(8)]
     assert len(timing_rounds(one_kind, candidates, repeats)) == -(-repeats * 5 // 8)
-
-
-# ---- max_error: candidates whose measured gradient error exceeds it are left out ----
-
-
-def test_max_error_leaves_out_the_candidates_above_it():
-    model, step = make(layers=3)
-    measurements = measure(model, step, candidates=[NONE, "recompute", "int8", "int4"], repeats=1, max_error=1.0)
-    errors = {name: m.grad_error for name, m in measurements.by_policy.items()}
-    assert errors[NONE] == 0 and errors["recompute"] == 0  # exact policies, same seed
-    assert 0 < errors["int8"] < errors["int4"]
-    bound = (errors["int8"] + errors["int4"]) / 2
-    bounded = measure(model, step, candidates=[NONE, "recompute", "int8", "int4"], repeats=1, max_error=bound)
-    assert bounded.candidates == [NONE, "recompute", "int8"] and bounded.excluded == ["int4"]
-    for budget in ("100%", bounded.smallest_feasible_budget()):
-        assert "int4" not in bounded.plan(budget).policies
-    assert "left out: > max_error" in bounded.table()
-    with pytest.raises(ValueError, match=r"\['int4'\] left out: their gradient error exceeds max_error"):
-        bounded.plan(1)
-
-
-def test_max_error_measures_with_the_same_dropout_masks():
-    torch.manual_seed(0)
-    blocks = nn.ModuleList(
-        nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Dropout(0.5), nn.Linear(256, 64)) for _ in range(3)
-    )
-    x = torch.randn(4, 128, 64)
-
-    def step() -> None:
-        h = x
-        for block in blocks:
-            h = block(h)
-        h.pow(2).mean().backward()
-        blocks.zero_grad(set_to_none=True)
-
-    measurements = measure(blocks, step, candidates=[NONE, "recompute", "int8"], repeats=1, max_error=0.05)
-    assert measurements.by_policy["recompute"].grad_error == 0  # not the masks of another draw
-    assert 0 < measurements.by_policy["int8"].grad_error <= 0.05
-
-
-@pytest.mark.parametrize("max_error", [-0.1, "5%", True])
-def test_bad_max_error_is_named(max_error):
-    model, step = make(layers=2)
-    with pytest.raises(ValueError, match="max_error"):
-        fastckpt.plan(model, step, "100%", max_error=max_error)
-
-
-# ---- non-finite gradients: a candidate whose storage breaks the gradients is never kept ----
-
-
-@pytest.fixture
-def int8_decodes_nan(monkeypatch):
-    """A broken int8 storage: every tensor it gives back holds a NaN (as the codecs' decoding of a group holding
-    an infinity once did)."""
-    decode = codecs.decode
-
-    def broken(encoded):
-        tensor = decode(encoded)
-        if encoded.codec == "int8":
-            tensor = tensor.clone()
-            tensor.view(-1)[0] = math.nan
-        return tensor
-
-    monkeypatch.setattr(codecs, "decode", broken)
-
-
-class HeadFirstNet(nn.Module):
-    """The head's parameters come first: their gradient is exact under any storage, so an error measure that
-    loses a later NaN reports 0 for the whole model."""
-
-    def __init__(self, block: type[nn.Module], layers: int = 3, dim: int = 64) -> None:
-        super().__init__()
-        self.head = nn.Linear(dim, dim)
-        self.blocks = nn.ModuleList(block(dim) for _ in range(layers))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-def make_head_first(block: type[nn.Module]):
-    return make(net=lambda: HeadFirstNet(block))
-
-
-NAN_FROM_INT8 = (
-    r"candidate 'int8' gives NaN/inf gradients from segment 'blocks.2' on .* where the plain step's are finite"
-)
-
-
-@pytest.mark.parametrize("max_error", [None, 0.5])
-def test_a_candidate_whose_stored_form_gives_nan_gradients_is_never_kept(max_error, int8_decodes_nan):
-    model, step = make_head_first(Block)
-    with pytest.warns(UserWarning, match=NAN_FROM_INT8):
-        measurements = measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=max_error)
-    assert measurements.candidates == ["recompute"] and list(measurements.failed) == ["int8"]
-    assert all(policy == "recompute" for policy in measurements.plan("100%").policies)
-    with pytest.warns(UserWarning, match=NAN_FROM_INT8):
-        alone = measure(model, step, candidates=["int8"], repeats=1, max_error=max_error)
-    with pytest.raises(ValueError, match=NAN_FROM_INT8):  # nothing is left: the error says why int8 is out
-        alone.plan("100%")
-
-
-def test_the_reference_giving_nan_gradients_refuses_the_plan(monkeypatch, int8_decodes_nan):
-    model, step = make_head_first(Block)
-    wrap, int8 = Candidate.wrap, parse_candidate("int8")
-    monkeypatch.setattr(Candidate, "wrap", lambda self, module: wrap(int8 if self.name == REFERENCE else self, module))
-    with pytest.raises(RuntimeError, match="candidate 'recompute' gives NaN/inf gradients from segment 'blocks.2'"):
-        fastckpt.plan(model, step, "100%", candidates=[NONE, "recompute"])
-
-
-def test_a_nan_gradient_error_exceeds_max_error_wherever_it_is():
-    finite, nan = torch.ones(3), torch.tensor([1.0, math.nan, 1.0])
-    assert max_relative_error([finite, nan], [finite, finite]) == math.inf  # a NaN after a finite error counts
-    assert max_relative_error([nan, finite], [finite, finite]) == math.inf
-    assert max_relative_error([finite * math.inf], [finite]) == math.inf
-    measurements = synthetic(2, ["a", "b", "c", "recompute"], seed=0, unit=4099)
-    measurements["a"].grad_error, measurements["b"].grad_error = math.nan, math.inf
-    measurements["c"].grad_error = measurements["recompute"].grad_error = 0.0
-    kept = Measurements(nn.Linear(1, 1), [], ["a", "b", "c", "recompute"], measurements, max_error=1.0)
-    assert kept.candidates == ["c", "recompute"] and kept.excluded == ["a", "b"]
-
-
-class NaNBlock(Block):
-    """Plain autograd's own gradients are NaN here (sqrt's backward at 0, times 0)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) + (self.fc2(F.gelu(self.fc1(x))) * 0).abs().sqrt()
-
-
-def test_gradient_error_against_a_non_finite_reference_is_refused():
-    model, step = make_head_first(NaNBlock)
-    measurements = measure(model, step, candidates=["recompute", "int8"], repeats=1)
-    assert measurements.candidates == ["recompute", "int8"]  # NaN already without checkpointing: not int8's doing
-    with pytest.raises(ValueError, match=r"max_error: the gradients under 'none' \(the reference\) hold NaN/inf"):
-        measure(model, step, candidates=["recompute", "int8"], repeats=1, max_error=0.5)
