@@ -473,11 +473,7 @@ def measure(
     # Candidates the probe shows to be wrong or the same as another here. Left out with a warning when the
     # user named them, silently (listed in table()) when they are defaults: a batch slice needs segments that
     # take nothing else batched, and the kept attention needs attention. Offload ones the user asked for.
-    refused: dict[str, str] = {}
-    if device.type == "cpu" and not offload_engine.ENGINE.copies_cpu_tensors:
-        for candidate in parsed:
-            if candidate.policy is not None and candidate.policy.offload:
-                refused[candidate.name] = "on a CPU host memory is the device's: offload moves nothing there"
+    refused = _offload_moving_nothing(parsed, device)
     asked = {c.name for c in parsed if candidates is not None or (c.policy is not None and c.policy.offload)}
     parsed = [c for c in parsed if c.name not in refused]
     resident = Resident.measure(model, device, optimizer, gradients)  # before any step of ours
@@ -546,6 +542,15 @@ def measure(
         resident=resident,
         skipped=skipped,
     )
+
+
+def _offload_moving_nothing(candidates: list[Candidate], device: Any) -> dict[str, str]:
+    """The offload candidates, with why, where host memory is the device's (a CPU, unless the engine copies as
+    on a GPU: offload.copies_apart)."""
+    if device.type != "cpu" or offload_engine.ENGINE.copies_cpu_tensors:
+        return {}
+    why = "on a CPU host memory is the device's: offload moves nothing there"
+    return {c.name: why for c in candidates if c.policy is not None and c.policy.offload}
 
 
 def _after_tracing(segments: list[Segment], ran: list[Candidate], repeats: int, max_error: float | None) -> int:
