@@ -71,7 +71,8 @@ def test_what_is_live_before_the_step_is_counted_at_the_models_depth():
 
 def test_a_memory_too_small_for_any_length_is_an_answer(monkeypatch):
     monkeypatch.setattr(fits, "free_memory", lambda device: 2**20)  # and a check this machine could not hold
-    report = fits.what_fits("tiny-llama", lora=None, memory="1MiB", verify=8192, **SMALL)
+    short = {"lengths": (256, 512), "layers": (1, 2)}  # no length fits whatever the lengths measured
+    report = fits.what_fits("tiny-llama", lora=None, memory="1MiB", verify=8192, **short, **SMALL)
     assert all(method.longest(2**20) == 0 for method in report.methods)
     text = report.table()
     assert text.count("none fits") == 2
@@ -103,6 +104,7 @@ def test_bad_arguments_name_themselves(kwargs, match):
 
 
 def test_the_command_line_prints_the_report(capsys):
-    fits.main(["tiny-llama", "--lora", "4", "--memory", "256MiB", "--lengths", "1024,2048", "--compute", "fp32"])
+    fits.main(["tiny-llama", "--lora", "4", "--memory", "256MiB", "--lengths", "256,512", "--layers", "1,2",
+               "--compute", "fp32"])  # fmt: skip
     out = capsys.readouterr().out
     assert "longest in 256.00 MiB" in out and "HF GC" in out
