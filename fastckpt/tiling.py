@@ -142,7 +142,8 @@ def recompute_in_tiles(
     `parameters`: the tensors requiring grad that `function` uses (a module's trained parameters); each gets the
     sum of the tiles' gradients, once. Autocast and the RNG state are restored for each tile's recomputation, so
     dropout draws the forward's masks (per tile: not an untiled run's masks, the same distribution). The function
-    runs once more than untiled (its recomputation in backward).
+    runs once more than untiled (its recomputation in backward), except where a segment's recomputation (with
+    early stop) would end at `x`: there one position stands for the output (engine.saves_left_to_recompute).
     """
     if not isinstance(tile, int) or isinstance(tile, bool) or tile < 1:
         raise ValueError(f"fastckpt.tiling.recompute_in_tiles: `tile` must be an integer >= 1, got {tile!r}")

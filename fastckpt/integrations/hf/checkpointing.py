@@ -179,8 +179,9 @@ def enable(
     `tile_mlp`: the decoder layers' MLPs (Llama's, Qwen's, Gemma's, ... position-wise `*MLP` modules) computed a
     tile of tokens at a time on inputs longer than the tile, keeping only their input and recomputing each tile
     in backward (tiled_mlp.py): a long sequence's recomputed layer then holds one tile's MLP activations, not the
-    whole length's, for one more forward of the MLP; a norm whose output feeds the MLP or the attention's
-    projections is computed in their tiles (its full-length output not kept). None (default): on under a
+    whole length's (the layer's recomputation stops at the MLP's input, the tiles are recomputed instead); a norm
+    whose output feeds the MLP or the attention's projections is computed in their tiles (its full-length output
+    not kept). None (default): on under a
     recompute policy, with tiles of `max(1024, hidden_size)` tokens; True: on under any policy or budget; an int:
     on, with tiles of that many tokens; False: off.
     """

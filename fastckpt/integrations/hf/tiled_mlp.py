@@ -4,8 +4,9 @@ patches.py): the MLPs, and the norms before them and before the attention's proj
 At long lengths a recomputed layer's largest working set is its MLP: several [tokens x intermediate] tensors
 alive at once in its recomputation and backward (at Llama-3.2-1B's shape, 4x the layer's input per tensor).
 Computed `tile` tokens at a time, with only its input kept and each tile recomputed in backward
-(`fastckpt.tiling.recompute_in_tiles`), that working set stops growing with the length, for one more forward of
-the MLP. Next come the full-length tensors the layer keeps for its backward: a norm's output is one of them,
+(`fastckpt.tiling.recompute_in_tiles`), that working set stops growing with the length; the layer's
+recomputation stops at the MLP's input, its last saved tensor, so the MLP runs no more often than untiled.
+Next come the full-length tensors the layer keeps for its backward: a norm's output is one of them,
 saved by every module it feeds (the attention's q/k/v projections, the MLP), beside the norm's input, which the
 norm saves too. So a position-wise module handed a norm's output (recognised at run time, `_NotedNorm`: no
 model's code is read) computes the norm and itself together, tile by tile, from the norm's input: the norm's
