@@ -1,10 +1,12 @@
 """Long sequences at real model shapes: `python -m benchmarks long [--shape S] [--lengths 8192,16384] [--layers N]
-[--batch packed|padded] [--compute bf16|fp32]`.
+[--batch packed|padded] [--compute bf16|fp32] [--configs untiled,tiled,offload]`.
 
 One row of 8K-32K tokens through a LoRA fine-tune (r=16 on all seven projections) of a real model's shape
 (benchmarks/real_shapes.py's SHAPES, random weights): HF gradient checkpointing against fastckpt's
 `recompute+int8` with the loss head and padded attention, with the decoder layers' MLPs untiled
-(`tile_mlp=False`) and tiled (`hf.enable`'s default under a recompute policy: tiles of max(1024, hidden) tokens).
+(`tile_mlp=False`) and tiled (`hf.enable`'s default under a recompute policy: tiles of max(1024, hidden) tokens),
+and with `--configs ...,offload` `recompute+int8+offload` tiled (the int8 layer inputs in host memory, counted
+apart from the device's peak; on a CPU copied as a GPU's would be: `fastckpt.storage.offload.copies_apart`).
 Each row: one step timed (s/step), then one step traced (`real_shapes.traced_step`: the peak and what is live
 at it, by the phase that allocated it).
 
@@ -21,6 +23,7 @@ model's depth elsewhere); `python -m fastckpt.fits` carries such measurements to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import time
 
@@ -32,6 +35,7 @@ from benchmarks.real_shapes import CATEGORIES, SHAPES, Workload, batch_of, build
 from benchmarks.report import cpu_flags
 from benchmarks.steps import HF_GC, Row, fastckpt, fmt, hf_gc, hf_loss, sharing_copy, step
 from fastckpt.fits import free_memory, native_bf16
+from fastckpt.storage import offload
 
 SHORT = (2048, 4096)  # where HF GC's line is measured
 # On a CPU HF GC runs at a long length where twice its predicted peak is free: the traced step's process holds
@@ -39,19 +43,24 @@ SHORT = (2048, 4096)  # where HF GC's line is measured
 CPU_HEADROOM = 2
 UNTILED = "fastckpt recompute+int8, MLP untiled"
 TILED = "fastckpt recompute+int8, MLP tiled"
+OFFLOADED = "fastckpt recompute+int8+offload, MLP tiled"
+CONFIGS = {"untiled": UNTILED, "tiled": TILED, "offload": OFFLOADED}  # --configs
 
 
-def rows() -> list[Row]:
-    return [
-        Row(HF_GC, hf_gc),
-        Row(UNTILED, fastckpt("recompute+int8", True, padded=True, tile_mlp=False)),
-        Row(TILED, fastckpt("recompute+int8", True, padded=True)),  # tile_mlp: hf.enable's default
-    ]
+def rows(configs: tuple[str, ...] = ("untiled", "tiled")) -> list[Row]:
+    """HF GC's row, then fastckpt's named in `configs` (CONFIGS' keys)."""
+    ours = {
+        UNTILED: Row(UNTILED, fastckpt("recompute+int8", True, padded=True, tile_mlp=False)),
+        TILED: Row(TILED, fastckpt("recompute+int8", True, padded=True)),  # tile_mlp: hf.enable's default
+        OFFLOADED: Row(OFFLOADED, fastckpt("recompute+int8+offload", True, padded=True)),
+    }
+    return [Row(HF_GC, hf_gc), *(ours[CONFIGS[name]] for name in configs)]
 
 
 def run(shape_name: str, lengths: list[int], layers: int, batch: str, compute: str, device: torch.device,
-        short: tuple[int, int] = SHORT) -> list[dict]:  # fmt: skip
-    """The rows at each of `lengths` (printed), HF GC's line measured at the `short` lengths."""
+        short: tuple[int, int] = SHORT, configs: tuple[str, ...] = ("untiled", "tiled")) -> list[dict]:  # fmt: skip
+    """The rows at each of `lengths` (printed), HF GC's line measured at the `short` lengths. The offload row's
+    host copies are counted apart from the device's peak (on a CPU as a GPU would hold them: copies_apart)."""
     shape = dataclasses.replace(SHAPES[shape_name], layers=layers)
     autocast = compute == "bf16"
     base = build(shape, True, max(lengths), torch.bfloat16 if autocast else torch.float32).to(device)
@@ -60,16 +69,18 @@ def run(shape_name: str, lengths: list[int], layers: int, batch: str, compute: s
         model = sharing_copy(base)
         row.prepare(model)
         inputs = batch_of(Workload(shape_name, tokens, True, batch), shape.vocab, device)
-        start = time.perf_counter()
-        step(model, inputs, hf_loss, autocast=autocast)  # timed, and what is allocated once
-        seconds = time.perf_counter() - start
-        model.zero_grad(set_to_none=True)
-        with quiet_profiler_logs():
-            traced = traced_step(model, inputs, hf_loss, device, autocast=autocast)
+        host = offload.copies_apart(device) if row.name == OFFLOADED else contextlib.nullcontext()
+        with host:
+            start = time.perf_counter()
+            step(model, inputs, hf_loss, autocast=autocast)  # timed, and what is allocated once
+            seconds = time.perf_counter() - start
+            model.zero_grad(set_to_none=True)
+            with quiet_profiler_logs():
+                traced = traced_step(model, inputs, hf_loss, device, autocast=autocast)
         model.zero_grad(set_to_none=True)
         return {"peak": traced.peak, "parts": traced.parts, "at": traced.at, "seconds": seconds if timed else None}
 
-    gc_row, *ours = rows()
+    gc_row, *ours = rows(configs)
     (n1, n2), short = short, {tokens: measure(gc_row, tokens, False)["peak"] for tokens in short}
     slope = (short[n2] - short[n1]) / (n2 - n1)
 
@@ -83,7 +94,8 @@ def run(shape_name: str, lengths: list[int], layers: int, batch: str, compute: s
     table = []
     for tokens in lengths:
         results = {}
-        if gc_line(tokens) * (CPU_HEADROOM if device.type == "cpu" else 1) <= free_memory(device):
+        # where its line was measured it ran already; longer, where the line says it fits
+        if tokens <= n2 or gc_line(tokens) * (CPU_HEADROOM if device.type == "cpu" else 1) <= free_memory(device):
             results[HF_GC] = measure(gc_row, tokens, True)
         for row in ours:
             results[row.name] = measure(row, tokens, True)
@@ -123,8 +135,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch", default="packed", choices=["packed", "padded"])
     parser.add_argument("--compute", default=None, choices=["bf16", "fp32"], help="default: bf16 where native")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--configs", default="untiled,tiled", help=f"fastckpt's rows, of {','.join(CONFIGS)}")
     parser.add_argument("--out", default=None, help="a folder for long_context.csv")
     args = parser.parse_args(argv)
+    configs = tuple(args.configs.split(","))
+    if not set(configs) <= set(CONFIGS):
+        parser.error(f"--configs: each of {', '.join(CONFIGS)}, got {args.configs!r}")
     device = torch.device(args.device)
     flags = cpu_flags()
     compute = args.compute or ("bf16" if native_bf16(device) else "fp32")
@@ -133,7 +149,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print("(CPU: glibc malloc set to reuse freed memory)")
     print(f"host CPU flags: {' '.join(flags) or 'none of the matrix flags'}; torch {torch.__version__}")
     lengths = [int(n) for n in args.lengths.split(",")]
-    table = run(args.shape, lengths, layers, args.batch, compute, device)
+    table = run(args.shape, lengths, layers, args.batch, compute, device, configs=configs)
     if args.out:
         write_csv(table, args.out, "long_context.csv")
     return table
