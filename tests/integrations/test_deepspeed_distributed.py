@@ -20,20 +20,12 @@ from deepspeed import checkpointing as ds_checkpointing  # noqa: E402  (`import 
 import fastckpt  # noqa: E402
 import fastckpt.integrations.deepspeed as ckpt  # noqa: E402
 from tests.helpers import max_rel_l2  # noqa: E402
-from tests.integrations.test_deepspeed import TRACKER  # noqa: E402
+from tests.integrations.test_deepspeed import (  # noqa: E402
+    TRACKER,
+    clean_state,  # noqa: F401 (an autouse fixture)
+)
 from tests.models import TransformerBlock  # noqa: E402
 from tests.multiprocess import run_in_processes  # noqa: E402
-
-
-@pytest.fixture(autouse=True)
-def clean_state():
-    """Each test starts unconfigured with an empty DeepSpeed RNG tracker, and leaves it so."""
-    ckpt.reset(configuration=True)
-    ds_checkpointing.get_cuda_rng_tracker().reset()
-    yield
-    ckpt.reset(configuration=True)
-    ds_checkpointing.get_cuda_rng_tracker().reset()
-
 
 # 1. partition_activations across 2 processes.
 

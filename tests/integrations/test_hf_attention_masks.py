@@ -20,6 +20,7 @@ from tests.integrations.test_hf_attention import (  # noqa: E402
     LENGTHS,
     PACKED,
     SEQ,
+    _decompose_short_rows,  # noqa: F401 (an autouse fixture)
     build,
     packed_batch,
     padded_batch,
@@ -27,13 +28,6 @@ from tests.integrations.test_hf_attention import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _decompose_short_rows(monkeypatch):
-    """These rows are short: rows of different lengths would all run as one masked call (_SHORT_ROWS), so
-    the decomposition is exercised as for long rows, except where a test sets the threshold back."""
-    monkeypatch.setattr(hf_attention, "_SHORT_ROWS", 0)
 
 
 def _packed_rows(rows: tuple[tuple[int, ...], ...] = PACKED) -> tuple:

@@ -21,6 +21,7 @@ from tests.integrations.test_hf_attention import (  # noqa: E402
     SEQ,
     VOCAB,
     _CountMaskedSdpa,
+    _decompose_short_rows,  # noqa: F401 (an autouse fixture)
     assert_same,
     build,
     packed_batch,
@@ -29,13 +30,6 @@ from tests.integrations.test_hf_attention import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(autouse=True)
-def _decompose_short_rows(monkeypatch):
-    """These rows are short: rows of different lengths would all run as one masked call (_SHORT_ROWS), so
-    the decomposition is exercised as for long rows, except where a test sets the threshold back."""
-    monkeypatch.setattr(hf_attention, "_SHORT_ROWS", 0)
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
