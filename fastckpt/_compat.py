@@ -238,10 +238,11 @@ def checkpoint_early_stop() -> Any:
 @_probe(
     "torch.utils._python_dispatch._disable_current_modes",
     since=FLOOR,
-    feature="compressed recomputation ('recompute:<codec>' policies)",
+    feature="compressed recomputation ('recompute:<codec>' policies); recompute_in_tiles skipping its forward "
+    "where a recomputation ends at its input",
     without="It runs the codec outside the recomputation's dispatch modes (a selective-checkpoint context, "
     "debug=True): without it those policies raise; 'recompute', 'recompute+<codec>' and the storage policies "
-    "still work.",
+    "still work, and tiles in a recomputation run their forward.",
 )
 def disable_current_modes() -> Any:
     """torch.utils._python_dispatch._disable_current_modes: a context leaving every active dispatch mode."""

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from fastckpt import _compat
 from fastckpt.api import CheckpointWrapper, checkpoint
 from fastckpt.engine.non_reentrant import saves_left_to_recompute
 from fastckpt.engine.replay import ForwardState
@@ -85,13 +86,15 @@ class _RecomputedInTiles(torch.autograd.Function):
     def forward(ctx: Any, function: Callable, tile: int, dim: int, x: torch.Tensor, *parameters: torch.Tensor) -> Any:
         ctx.function, ctx.tile, ctx.dim, ctx.parameters = function, tile, dim, parameters
         ctx.save_for_backward(x)  # through the enclosing segment's policy: dropped by a recompute, or stored
-        if saves_left_to_recompute() == 1:
+        modes_off = _compat.disable_current_modes()
+        if saves_left_to_recompute() == 1 and modes_off is not None:
             # The segment's recomputation, and `x` is the last tensor it remakes (a decoder layer's MLP): it stops
             # at `x`, so one position's output, of the right shape, stands for all. Spares the forward that the
-            # tiles' backward runs again anyway.
-            with torch.no_grad():
+            # tiles' backward runs again anyway. Outside the recomputation's dispatch modes: a selective
+            # checkpoint's replay expects the forward's ops, which this one position is not.
+            with modes_off(), torch.no_grad():
                 one = function(x.narrow(dim, 0, 1))
-            return one.expand(*one.shape[:dim], x.shape[dim], *one.shape[dim + 1 :])
+                return one.expand(*one.shape[:dim], x.shape[dim], *one.shape[dim + 1 :])
         ctx.states, outputs = [], []
         for piece in x.split(tile, dim):
             # each tile's recomputation runs under its forward's RNG (dropout draws its masks again) and autocast

@@ -4,9 +4,10 @@ import pytest
 import torch
 
 import fastckpt
+from fastckpt import hybrid
 from fastckpt.memory import peak_bytes
 from fastckpt.tiling import recompute_in_tiles
-from tests.helpers import output_and_grads, rel_l2
+from tests.helpers import needs_sac_hooks, output_and_grads, rel_l2
 from tests.models import AttentionHalf
 
 
@@ -288,6 +289,19 @@ def test_a_recomputation_that_stops_at_the_tiles_input_skips_their_forward(after
     skipped = early_stop and not after  # the MLP's output saved by nothing: the recomputation runs one position
     recomputation = [1] if skipped else [16] * 3
     assert layer.calls == [16] * 3 + recomputation + [16] * 3  # forward, recomputation, the tiles' backward
+
+
+@needs_sac_hooks
+def test_the_skipped_forward_runs_outside_a_selective_checkpoints_replay():
+    """Under torch's selective checkpointing the recomputation replays the forward's ops: the position that stands
+    for the output is computed outside it."""
+    layer, x = Layer(after=False), torch.randn(2, 48, 32)
+    untiled = Layer(after=False)
+    untiled.tiles = untiled.tiles.module
+    expected = output_and_grads(untiled, x)
+    got = output_and_grads(layer, x, policy="recompute", use_reentrant=False, context_fn=hybrid.selective(store="save"))
+    assert rel_l2(got[1], expected[1]) < 1e-6
+    assert layer.calls == [16] * 3 + [1] + [16] * 3
 
 
 def test_recompute_in_tiles_names_a_bad_tile():
