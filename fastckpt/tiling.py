@@ -86,8 +86,7 @@ class _RecomputedInTiles(torch.autograd.Function):
     def forward(ctx: Any, function: Callable, tile: int, dim: int, x: torch.Tensor, *parameters: torch.Tensor) -> Any:
         ctx.function, ctx.tile, ctx.dim, ctx.parameters = function, tile, dim, parameters
         ctx.save_for_backward(x)  # through the enclosing segment's policy: dropped by a recompute, or stored
-        modes_off = _compat.disable_current_modes()
-        if saves_left_to_recompute() == 1 and modes_off is not None:
+        if saves_left_to_recompute() == 1 and (modes_off := _compat.disable_current_modes()) is not None:
             # The segment's recomputation, and `x` is the last tensor it remakes (a decoder layer's MLP): it stops
             # at `x`, so one position's output, of the right shape, stands for all. Spares the forward that the
             # tiles' backward runs again anyway. Outside the recomputation's dispatch modes: a selective

@@ -210,11 +210,16 @@ class _InternalHooks(torch.autograd.graph.saved_tensors_hooks):
         return super().__exit__(*exc)
 
 
-def _user_hooks_in_scope():
+def _innermost_hooks() -> tuple[Any, Any] | None:
+    """The innermost saved-tensor hooks (pack, unpack) in scope, or None (none, or this torch cannot tell)."""
     top = _compat.top_saved_tensors_default_hooks()
-    if top is None:
+    return top(False) if top is not None else None
+
+
+def _user_hooks_in_scope():
+    if not _compat.available("top_saved_tensors_default_hooks"):
         _compat.warn_missing("top_saved_tensors_default_hooks")
-    hooks = top(False) if top is not None else None
+    hooks = _innermost_hooks()
     while hooks is not None and getattr(hooks[0], "_checkpoint_internal", False):
         hooks = getattr(hooks[0], "_user_hooks", None)
     return hooks
@@ -319,8 +324,7 @@ def saves_left_to_recompute() -> int | None:
     tensors the forward saved it has yet to remake; None anywhere else. A function whose own saves are the last
     ones can skip computing its output there: the recomputation stops at them, and nothing reads the output
     (fastckpt.tiling.recompute_in_tiles does)."""
-    top = _compat.top_saved_tensors_default_hooks()
-    hooks = top(False) if top is not None else None
+    hooks = _innermost_hooks()
     saves_left = getattr(hooks[0], "saves_left", None) if hooks is not None else None
     return saves_left() if saves_left is not None else None
 
