@@ -67,3 +67,32 @@ def test_fp16_paths_match_the_reference(tmp_path, disable_f16c):
     expected = quantize_fp8_per_group_ref(x, GROUP_SIZE)
     decoded = dequantize_fp8_per_group_ref(*expected, GROUP_SIZE, x.dtype, list(x.shape))
     assert_bitwise_equal(out["fp8"], expected + (decoded,))
+
+
+def test_several_threads_give_one_threads_bits():
+    # The suite's workers run one intra-op thread each (conftest): here the kernels' parallel_for splits the work
+    # (quantize: 65,536-element tasks; bitpack: 131,072 bools), stochastic rounding included, with a ragged tail.
+    from fastckpt.ops import pack_bits, unpack_bits
+    from fastckpt.ops import quantize as q
+    from tests.helpers import num_threads
+
+    x = sample((5 * 2**16 + 77,), torch.float32, "cpu", seed=11)
+    mask = sample((5 * 2**17 + 33,), torch.float32, "cpu", seed=12) > 0
+
+    def run() -> list[torch.Tensor]:
+        out = []
+        for bits in (8, 4, 2):
+            for stochastic in (False, True):
+                stored = q.quantize_per_group(x, bits, GROUP_SIZE, stochastic, 7)
+                out += [*stored, q.dequantize_per_group(*stored, bits, GROUP_SIZE, x.dtype, x.shape)]
+        stored = q.quantize_fp8_per_group(x, GROUP_SIZE)
+        packed = pack_bits(mask)
+        return [*out, *stored, q.dequantize_fp8_per_group(*stored, GROUP_SIZE, x.dtype, x.shape), packed,
+                unpack_bits(packed, mask.shape)]  # fmt: skip
+
+    with num_threads(1):
+        one = run()
+    with num_threads(4):
+        several = run()
+    assert_bitwise_equal(tuple(one), tuple(several))
+    assert torch.equal(several[-1], mask)
