@@ -9,40 +9,41 @@ model holds in a memory size, under HF gradient checkpointing and under fastckpt
 
 How. The model is built from its configuration with random weights at two and at three layers, and its training
 step (one row of tokens: forward with the loss, backward) is measured on this machine at two lengths for each
-method. The step's peak above what is live before it is a bilinear function of the layers and the tokens (the
-layer inputs the backward needs grow with both, one layer's working set and the head's with the tokens): the
-four measurements determine it, and it is carried to the model's depth. The device total adds what is live
-before the step at the model's depth, counted on the meta device without allocating it: the weights and AdamW's
-state of the trained parameters (two fp32 tensors each); for a full fine-tune, whose AdamW step (`foreach`) holds
-every gradient and temporaries of their size, that step too. The longest length is where that total reaches the
-memory size; a batch of B rows of N tokens is taken as B x N tokens (true of the activations; attention's working
-set is per row, and memory-efficient attention keeps it linear).
+method, in phases (each decoder layer's parts, forward and recomputed). Each phase's peak above what was live
+before the step is a line in the tokens; the step's peak at a length is the highest of them there
+(`prediction.Peak`), carried linearly in the layers to the model's depth (the layer inputs the backward needs grow
+with both).
+The device total adds what is live before the step at the model's depth, counted on the meta device without
+allocating it: the weights and AdamW's state of the trained parameters (two fp32 tensors each); for a full
+fine-tune, whose AdamW step (`foreach`) holds every gradient and temporaries of their size, that step too. The
+longest length is where that total reaches the memory size; a batch of B rows of N tokens is taken as B x N tokens
+(true of the activations; attention's working set is per row, and memory-efficient attention keeps it linear).
 
 What a run on a CPU does not see of a GPU (the report says it): the attention kernel (CUDA's flash and
-memory-efficient SDPA kernels are linear in the length like the CPU's; an eager or math attention is quadratic),
-the CUDA caching allocator's reserve above what is allocated, and the CUDA context and library workspaces (some
-hundreds of MiB, outside any tensor). bf16 autocast on a CPU without AMX is emulated and slow: `compute="fp32"`
-measures in fp32 there, whose activations are twice bf16's (the report says which was measured).
+memory-efficient SDPA kernels are linear in the length like the CPU's; an eager or math attention is quadratic), the
+CUDA caching allocator's reserve above what is allocated, and the CUDA context and library workspaces (some hundreds
+of MiB, outside any tensor). bf16 autocast on a CPU without AMX is emulated and slow: `compute="fp32"` measures in
+fp32 there, whose activations are twice bf16's (the report says which was measured).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from fastckpt.fits.prediction import HF_GC, Method, Report
 from fastckpt.heads import default_chunk_size
 from fastckpt.integrations.hf.tiled_mlp import default_tile
-from fastckpt.memory import peak_bytes
-from fastckpt.planner.budgets import format_bytes, total_bytes
+from fastckpt.memory import MemoryTrace
+from fastckpt.planner.budgets import total_bytes
 from fastckpt.policies import Policy
 from fastckpt.storage import offload
 
@@ -53,7 +54,6 @@ _NAME = "fastckpt.fits"
 # to the model's depth where each layer adds 8 (its stored input). An offload policy's backward also holds the
 # layer it runs and the one it prefetches: from two layers on each layer adds what it keeps on the device.
 DEPTHS = (2, 3)
-HF_GC = "HF GC"
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 ADAM_STATE_BYTES = 8  # AdamW's two fp32 tensors per trained element
 
@@ -81,171 +81,6 @@ SHAPES: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
     },
 }  # fmt: skip
-
-
-@dataclass(frozen=True)
-class Line:
-    """Bytes = base + per_token x tokens (at one depth)."""
-
-    base: float
-    per_token: float
-
-    def at(self, tokens: float) -> float:
-        return self.base + self.per_token * tokens
-
-    def solve(self, total: float) -> int | None:
-        """The most tokens whose bytes are at most `total` (None: unbounded, the line does not grow)."""
-        if self.per_token <= 0:
-            return None if self.base <= total else 0
-        return max(0, math.floor((total - self.base) / self.per_token))
-
-
-def _bilinear(measured: dict[tuple[int, int], int], depth: int) -> Line:
-    """Bytes at (layers, tokens), measured at two depths and two lengths, as a line in the tokens at `depth`."""
-    (l1, l2), (n1, n2) = sorted({k[0] for k in measured}), sorted({k[1] for k in measured})
-
-    def at_depth(n: int) -> float:
-        one, two = measured[(l1, n)], measured[(l2, n)]
-        return one + (two - one) / (l2 - l1) * (depth - l1)
-
-    slope = (at_depth(n2) - at_depth(n1)) / (n2 - n1)
-    return Line(at_depth(n1) - slope * n1, slope)
-
-
-@dataclass
-class Method:
-    """One way to train the model: its measured step peaks and what they predict at the model's depth."""
-
-    name: str
-    measured: dict[tuple[int, int], int]  # (layers, tokens) -> the step's peak above what was live before it
-    depth: int  # the model's layers
-    resident: int  # bytes live before the step at the model's depth (weights, optimizer state)
-    optimizer_step: int  # bytes the optimizer's step holds at its peak (gradients and temporaries), 0 for LoRA
-    host: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # offloaded bytes in host memory
-    policy: str | None = None  # fastckpt's policy; None: HF GC
-
-    @property
-    def lengths(self) -> tuple[int, int]:
-        first, second = sorted({k[1] for k in self.measured})
-        return first, second
-
-    def peak(self) -> Line:
-        """The step's peak above what is live before it, at the model's depth, as a line in the tokens."""
-        return _bilinear(self.measured, self.depth)
-
-    def host_line(self) -> Line | None:
-        """The host memory the offloaded tensors take (an offload policy), as a line in the tokens; else None."""
-        return _bilinear(self.host, self.depth) if any(self.host.values()) else None
-
-    def longest(self, memory: int) -> int | None:
-        """The most tokens whose device total fits `memory`: what is live before the step plus its peak, and plus
-        the optimizer step's (0: none; None: the total does not grow with the tokens)."""
-        if self.resident + self.optimizer_step > memory:
-            return 0
-        return self.peak().solve(memory - self.resident)
-
-    def largest_batch(self, memory: int, length: int) -> int | None:
-        """The most rows of `length` tokens that fit `memory` (their tokens counted as one row's)."""
-        longest = self.longest(memory)
-        return None if longest is None else longest // length
-
-
-@dataclass
-class Report:
-    """What `what_fits` measured and predicted."""
-
-    name: str
-    description: str
-    memories: list[int]
-    methods: list[Method]
-    batch_at: int | None
-    measured_on: str
-    compute: str
-    layers: tuple[int, int]
-    verified: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # method -> (tokens,
-    # measured, predicted) at the deeper measured depth
-    unverified: dict[str, tuple[int, int, int]] = dataclasses.field(default_factory=dict)  # method -> (tokens,
-    # predicted, the memory free here): the check would not fit this machine
-
-    def rows(self) -> list[dict[str, Any]]:
-        rows = []
-        for method in self.methods:
-            row: dict[str, Any] = {"method": method.name, "resident_MiB": method.resident / 2**20,
-                                   "MiB_per_1k_tokens": method.peak().per_token * 1024 / 2**20}  # fmt: skip
-            for memory in self.memories:
-                row[f"longest_{format_bytes(memory)}"] = method.longest(memory)
-                if self.batch_at:
-                    row[f"batch_at_{self.batch_at}_{format_bytes(memory)}"] = method.largest_batch(
-                        memory, self.batch_at
-                    )
-            rows.append(row)
-        return rows
-
-    def table(self) -> str:
-        """The report as text: the model, what was measured where, one line per method, their ratio."""
-        l1, l2 = self.layers
-        measured = "; ".join(f"{m.name} at {m.lengths[0]:,} and {m.lengths[1]:,} tokens" for m in self.methods)
-        lines = [f"{self.name}: {self.description}",
-                 f"measured on {self.measured_on} in {self.compute} at {l1} and {l2} layers ({measured}), carried "
-                 f"to {self.methods[0].depth} layers"]  # fmt: skip
-        header = f"{'method':<34}{'live before':>13}{'per 1K tok':>12}"
-        for memory in self.memories:
-            header += f"{'longest in ' + format_bytes(memory):>24}"
-            if self.batch_at:
-                header += f"{'batch @' + format(self.batch_at, ',') + ' in ' + format_bytes(memory):>28}"
-        lines.append(header)
-        longest: dict[str, list[int | None]] = {}  # per method, per memory size
-        for method in self.methods:
-            line = (f"{method.name:<34}{format_bytes(method.resident):>13}"
-                    f"{format_bytes(int(method.peak().per_token * 1024)):>12}")  # fmt: skip
-            longest[method.name] = []
-            for memory in self.memories:
-                tokens = method.longest(memory)
-                longest[method.name].append(tokens)
-                line += f"{_tokens(tokens):>24}"
-                if self.batch_at:
-                    line += f"{_tokens(method.largest_batch(memory, self.batch_at), 'rows'):>28}"
-            lines.append(line)
-        for method in self.methods:
-            host = method.host_line()
-            if host is not None:
-                at = ", ".join(f"{format_bytes(int(host.at(n)))} at {n:,} tokens" for n in longest[method.name] if n)
-                lines.append(f"{method.name} offloads to host memory {format_bytes(int(host.per_token * 1024))} per "
-                             f"1K tokens: {at or 'nothing fits'} (host memory, not the device's)")  # fmt: skip
-        for method in self.methods:
-            pairs = zip(self.memories, longest[method.name], longest.get(HF_GC, []), strict=False)
-            ratios = [f"{ours / theirs:.1f}x in {format_bytes(memory)}" for memory, ours, theirs in pairs
-                      if ours and theirs]  # fmt: skip
-            if ratios and method.name != HF_GC:
-                lines.append(f"longest sequence, {method.name} / {HF_GC}: {', '.join(ratios)}")
-        for name, (tokens, measured, predicted) in self.verified.items():
-            lines.append(f"verified: {name} at {self.layers[1]} layers x {tokens:,} tokens: step peak measured "
-                         f"{format_bytes(measured)}, predicted {format_bytes(predicted)} "
-                         f"({(predicted - measured) / measured:+.1%})")  # fmt: skip
-        for name, (tokens, predicted, free) in self.unverified.items():
-            lines.append(f"not verified: {name} at {self.layers[1]} layers x {tokens:,} tokens: predicted step peak "
-                         f"{format_bytes(predicted)}, more than the {format_bytes(free)} free here")  # fmt: skip
-        lines += _differences(self.measured_on, self.compute)
-        return "\n".join(lines)
-
-
-def _tokens(count: int | None, unit: str = "tokens") -> str:
-    if count is None:
-        return "unbounded"
-    return "none fits" if count == 0 else f"{count:,} {unit}"
-
-
-def _differences(measured_on: str, compute: str) -> list[str]:
-    notes = []
-    if measured_on.startswith("cpu"):
-        notes.append(
-            "measured on a CPU: on a GPU add the CUDA context and library workspaces (some hundreds of MiB) and the "
-            "caching allocator's reserve; CUDA's flash / memory-efficient attention is linear in the length as "
-            "here, an eager or math attention is not"
-        )
-    if compute == "fp32":
-        notes.append("fp32 compute (bf16 is emulated on this CPU): activations are twice bf16 autocast's")
-    return notes
 
 
 def parse_memory(text: str | int) -> int:
@@ -321,18 +156,51 @@ def live_before_step(config: Any, lora: int | None, dtype: torch.dtype) -> tuple
     return weights + ADAM_STATE_BYTES * trained, trained * 4
 
 
-def _step(model: Any, tokens: int, vocab: int, device: torch.device, autocast: bool) -> Callable[[], None]:
+def _step(model: Any, tokens: int, vocab: int, device: torch.device, autocast: bool,
+          backward_starts: Callable[[], object] = lambda: None) -> Callable[[], None]:  # fmt: skip
     generator = torch.Generator().manual_seed(tokens)
     ids = torch.randint(1, vocab, (1, tokens), generator=generator).to(device)
 
     def step() -> None:
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
             loss = model(input_ids=ids, labels=ids).loss
+        backward_starts()
         loss.backward()
         for p in model.parameters():
             p.grad = None
 
     return step
+
+
+@contextlib.contextmanager
+def _phases(model: Any, trace: MemoryTrace) -> Iterator[Callable[[], None]]:
+    """Mark the trace where each decoder layer (transformers' GradientCheckpointingLayer) and each of its
+    children starts and ends, forward or in the backward (recomputed), so its points are the step's phases; yields
+    what the step calls as its backward starts. A phase run several times (a tiled MLP's tiles) is one key."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    backward = [False]
+
+    def marker(key: str) -> Callable[..., None]:
+        return lambda *args: trace.mark(("B " if backward[0] else "F ") + key)
+
+    handles = []
+    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):
+        for name, module in [("", layer), *layer.named_children()]:
+            key = f"{i}.{name}" if name else str(i)
+            handles += [module.register_forward_pre_hook(marker(key + " in")),
+                        module.register_forward_hook(marker(key + " out"))]  # fmt: skip
+
+    def backward_starts() -> None:
+        trace.mark("backward")
+        backward[0] = True
+
+    try:
+        yield backward_starts
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def _prepare(model: Any, policy: str | None) -> None:  # policy None: HF GC
@@ -348,18 +216,22 @@ def _prepare(model: Any, policy: str | None) -> None:  # policy None: HF GC
 
 def measure_steps(config: Any, policy: str | None, lora: int | None, dtype: torch.dtype, layers: int,
                   lengths: Sequence[int], device: torch.device,
-                  autocast: bool) -> dict[int, tuple[int, int]]:  # fmt: skip
-    """Per length, the step's peak above what was live before it and the host bytes its offloaded tensors took:
-    fastckpt's `policy` (None: HF GC) on the model at `layers`, one row."""
+                  autocast: bool) -> dict[int, tuple[dict[str, int], int]]:  # fmt: skip
+    """Per length, the peak of each phase of the step above what was live before it (`_phases`; their largest is
+    the step's peak) and the host bytes its offloaded tensors took: fastckpt's `policy` (None: HF GC) on the model
+    at `layers`, one row."""
     model = build(at_depth(config, layers), lora, dtype, device)
     _prepare(model, policy)
-    peaks = {}
+    measured = {}
     for tokens in lengths:
-        step = _step(model, tokens, config.vocab_size, device, autocast)
-        step()  # warm-up: what is allocated once (caches, lazily built buffers) is not the step's
-        with offload.copies_apart(device) as arena:
-            peaks[tokens] = (peak_bytes(step, device), arena.allocated_bytes)
-    return peaks
+        _step(model, tokens, config.vocab_size, device, autocast)()  # warm-up: what is allocated once is not the step's
+        with offload.copies_apart(device) as arena, MemoryTrace(device) as trace, _phases(model, trace) as starts:
+            _step(model, tokens, config.vocab_size, device, autocast, starts)()
+        phases: dict[str, int] = {}
+        for point in trace.points:
+            phases[point.key] = max(phases.get(point.key, 0), point.peak_before)
+        measured[tokens] = (phases, arena.allocated_bytes)
+    return measured
 
 
 def what_fits(
@@ -417,13 +289,14 @@ def what_fits(
     methods = []
     for name, each in [(HF_GC, None), *((f"fastckpt {each}", each) for each in policies)]:
         at = lengths or default_lengths(config, tiled=each is not None)
-        measured, host = {}, {}
+        phases, host = {}, {}
         for depth in layers:
             log(f"{_NAME}: {name} at {depth} layer(s), {at[0]:,} and {at[1]:,} tokens ({compute})")
             steps = measure_steps(config, each, lora, measured_dtype, depth, at, dev, compute == "bf16")
-            measured.update({(depth, tokens): peak for tokens, (peak, _) in steps.items()})
+            phases.update({(depth, tokens): peaks for tokens, (peaks, _) in steps.items()})
             host.update({(depth, tokens): offloaded for tokens, (_, offloaded) in steps.items()})
-        methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step, host, each))
+        measured = {key: max(peaks.values()) for key, peaks in phases.items()}
+        methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step, host, each, phases))
     label = model if isinstance(model, str) else config.model_type
     what = f"LoRA r={lora}, frozen weights {dtype}" if lora else "full fine-tune, fp32 weights"
     description = (f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "
@@ -433,15 +306,15 @@ def what_fits(
     if verify:
         free = free_memory(dev)
         for method in methods:
-            predicted = int(Method(method.name, method.measured, layers[1], 0, 0).peak().at(verify))
+            predicted = int(dataclasses.replace(method, depth=layers[1]).peak().at(verify))
             if predicted > free:  # it would be killed for memory (or swap for hours): said, not run
                 report.unverified[method.name] = (verify, predicted, free)
                 continue
             log(f"{_NAME}: {method.name} at {layers[1]} layers, {verify:,} tokens (the check)")
-            ((measured, _),) = measure_steps(
+            ((peaks, _),) = measure_steps(
                 config, method.policy, lora, measured_dtype, layers[1], [verify], dev, compute == "bf16"
             ).values()
-            report.verified[method.name] = (verify, measured, predicted)
+            report.verified[method.name] = (verify, max(peaks.values()), predicted)
     return report
 
 
@@ -533,6 +406,3 @@ def _pair(text: str, flag: str) -> tuple[int, int]:  # "512,1024" -> (512, 1024)
         raise SystemExit(f"{_NAME}: {flag} takes two integers separated by a comma, got {text!r}") from None
     return first, second
 
-
-if __name__ == "__main__":
-    main()
