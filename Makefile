@@ -20,7 +20,8 @@ build: $(VENV)/.deps
 	$(PY) setup.py --quiet build_ext --inplace
 
 # Tests in TEST_WORKERS processes (pytest-xdist): most tests are small models whose time is Python's, which a
-# second process overlaps on a 2-core machine; TEST_WORKERS=0 runs them in this process.
+# second process overlaps on a 2-core machine (tests/conftest.py gives each worker its share of the cores as torch
+# threads); TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 
 test: build
