@@ -137,6 +137,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--configs", default="untiled,tiled", help=f"fastckpt's rows, of {','.join(CONFIGS)}")
     parser.add_argument("--out", default=None, help="a folder for long_context.csv")
+    parser.add_argument("--return-freed-memory", action="store_true",
+                        help="CPU: leave glibc returning freed blocks (32K tokens at 16 layers: a reusing heap "
+                             "fragmented past 22 GB); the times then include first-touch page faults")  # fmt: skip
     args = parser.parse_args(argv)
     configs = tuple(args.configs.split(","))
     if not set(configs) <= set(CONFIGS):
@@ -145,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     flags = cpu_flags()
     compute = args.compute or ("bf16" if native_bf16(device) else "fp32")
     layers = args.layers or (2 if compute == "fp32" else SHAPES[args.shape].layers)
-    if device.type == "cpu" and _reuse_freed_host_memory():
+    if device.type == "cpu" and not args.return_freed_memory and _reuse_freed_host_memory():
         print("(CPU: glibc malloc set to reuse freed memory)")
     print(f"host CPU flags: {' '.join(flags) or 'none of the matrix flags'}; torch {torch.__version__}")
     lengths = [int(n) for n in args.lengths.split(",")]

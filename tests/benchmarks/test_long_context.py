@@ -46,3 +46,13 @@ def test_hf_gc_is_predicted_where_it_would_not_fit(monkeypatch, capsys):
     predicted = [r for r in table if r["config"].startswith(f"{long_context.HF_GC} (predicted")]
     assert len(predicted) == 1 and all(r["hf_gc_predicted"] for r in table)
     assert "predicted: more than the memory free here" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_return_freed_memory_leaves_glibc_alone(monkeypatch, capsys, flag):
+    tuned = []
+    monkeypatch.setattr(long_context, "_reuse_freed_host_memory", lambda: tuned.append(True) or True)
+    monkeypatch.setattr(long_context, "run", lambda *args, **kwargs: [])  # the rows are the test above's
+    long_context.main(["--shape", "smoke", "--device", "cpu", *(["--return-freed-memory"] if flag else [])])
+    assert tuned == ([] if flag else [True])
+    assert ("glibc malloc set to reuse freed memory" in capsys.readouterr().out) is not flag
