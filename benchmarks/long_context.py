@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--configs", default="untiled,tiled", help=f"fastckpt's rows, of {','.join(CONFIGS)}")
     parser.add_argument("--out", default=None, help="a folder for long_context.csv")
     parser.add_argument("--return-freed-memory", action="store_true",
-                        help="CPU: leave glibc returning freed blocks (32K tokens at 16 layers: a reusing heap "
-                             "fragmented past 22 GB); the times then include first-touch page faults")  # fmt: skip
+                        help="CPU: leave glibc returning freed blocks (32K tokens at 16 layers grew past 22 GB "
+                             "resident with them kept); the times then include first-touch page faults")  # fmt: skip
     args = parser.parse_args(argv)
     configs = tuple(args.configs.split(","))
     if not set(configs) <= set(CONFIGS):

@@ -27,7 +27,7 @@ def test_the_prediction_holds_at_a_longer_length(lora_report):
         assert abs(predicted - measured) <= 0.02 * measured, (name, measured, predicted)
     for method in lora_report.methods:  # the step's phases: each layer's parts, forward and recomputed
         for key, phases in method.phases.items():
-            assert max(phases.values()) == method.measured[key]
+            assert min(phases.values()) >= 0 and max(phases.values()) > 0
             assert {"F 0 in", "B 0.self_attn out", f"B {key[0] - 1}.mlp in", "backward", "end"} <= phases.keys()
 
 
@@ -37,12 +37,12 @@ def test_the_peak_follows_whichever_phase_is_highest_at_the_length():
         return {"tile": 300_000 + 10 * tokens + 1000 * layers, "last layer": 40 * tokens + 1000 * layers}
 
     measured = {(d, n): phases(d, n) for d in (2, 3) for n in (2048, 4096)}
-    peaks = {key: max(each.values()) for key, each in measured.items()}
-    method = fits.Method("m", peaks, depth=4, resident=4000, optimizer_step=0, phases=measured)
+    method = fits.Method("m", measured, depth=4, resident=4000, optimizer_step=0)
     assert method.peak().at(20_000) == phases(4, 20_000)["last layer"] and method.peak().per_token == 40
     assert method.peak().at(3000) == phases(4, 3000)["tile"]
     assert method.longest(604_000 + 4000) == 15_000  # the one line through the step's peaks would say 30,000
-    assert fits.Method("m", peaks, depth=4, resident=4000, optimizer_step=0).longest(608_000) == 30_000
+    one_phase = {key: {"step": peak} for key, peak in method.measured.items()}  # the step's peaks as one line
+    assert fits.Method("m", one_phase, depth=4, resident=4000, optimizer_step=0).longest(608_000) == 30_000
     assert method.longest(4000) == 0 and method.longest(3999) == 0
 
 

@@ -295,8 +295,7 @@ def what_fits(
             steps = measure_steps(config, each, lora, measured_dtype, depth, at, dev, compute == "bf16")
             phases.update({(depth, tokens): peaks for tokens, (peaks, _) in steps.items()})
             host.update({(depth, tokens): offloaded for tokens, (_, offloaded) in steps.items()})
-        measured = {key: max(peaks.values()) for key, peaks in phases.items()}
-        methods.append(Method(name, measured, config.num_hidden_layers, resident, optimizer_step, host, each, phases))
+        methods.append(Method(name, phases, config.num_hidden_layers, resident, optimizer_step, host, each))
     label = model if isinstance(model, str) else config.model_type
     what = f"LoRA r={lora}, frozen weights {dtype}" if lora else "full fine-tune, fp32 weights"
     description = (f"{config.model_type}, {config.num_hidden_layers} layers, hidden {config.hidden_size}, vocab "

@@ -84,23 +84,27 @@ class Method:
     """One way to train the model: its measured step peaks and what they predict at the model's depth."""
 
     name: str
-    measured: dict[tuple[int, int], int]  # (layers, tokens) -> the step's peak above what was live before it
+    # (layers, tokens) -> the peak of each phase of the step above what was live before it (fits' `_phases`)
+    phases: dict[tuple[int, int], dict[str, int]]
     depth: int  # the model's layers
     resident: int  # bytes live before the step at the model's depth (weights, optimizer state)
     optimizer_step: int  # bytes the optimizer's step holds at its peak (gradients and temporaries), 0 for LoRA
     host: dict[tuple[int, int], int] = dataclasses.field(default_factory=dict)  # offloaded bytes in host memory
     policy: str | None = None  # fastckpt's policy; None: HF GC
-    # (layers, tokens) -> the peak of each phase of the step (`_phases`); empty: the step as one phase
-    phases: dict[tuple[int, int], dict[str, int]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def measured(self) -> dict[tuple[int, int], int]:
+        """(layers, tokens) -> the step's peak: its highest phase's."""
+        return {key: max(peaks.values()) for key, peaks in self.phases.items()}
 
     @property
     def lengths(self) -> tuple[int, int]:
-        first, second = sorted({k[1] for k in self.measured})
+        first, second = sorted({k[1] for k in self.phases})
         return first, second
 
     def peak(self) -> Peak:
         """The step's peak above what is live before it, at the model's depth, as a function of the tokens."""
-        return _peak(self.phases or {key: {"step": peak} for key, peak in self.measured.items()}, self.depth)
+        return _peak(self.phases, self.depth)
 
     def host_line(self) -> Peak | None:
         """The host memory the offloaded tensors take (an offload policy), as a function of the tokens; else None."""
